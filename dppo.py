@@ -1,0 +1,608 @@
+"""dppo.py: RL post-training of a language model with trust-region policy objectives, in one file.
+
+    python dppo.py                                   # offline demo: a built-in tiny model learns arithmetic on a CPU
+    python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
+
+One training step (read the file top to bottom, in this order):
+    config -> data -> model -> rollout -> rewards -> advantages -> objective -> update -> evaluation -> main
+    1. rollout: P prompts x G samples in one batched Hugging Face `generate`. While sampling we record,
+       per completion token, the distribution mu it was drawn from: log mu(sampled token), mu's top-K ids
+       and log-probs (sampled token always included), and mu's entropy. Full-vocabulary logits are kept
+       for one decoding step at a time, never for the whole rollout.
+    2. rewards: 1/0 correctness of the final number (rewards.py).
+    3. advantages: GRPO, per group of G completions of one prompt.
+    4. updates: the rollout batch is split into M mini-batches, one AdamW step each. Only the first is
+       on-policy; the trust region (here PPO's clip of r = pi/mu) matters on updates 2..M.
+
+The method is specified in SPEC.md (kept beside this project by its authors); section numbers below
+(SPEC §5, ...) point there, and each objective names its paper and equation.
+
+Simplifications, stated once:
+  - The trust region is anchored to mu as recorded at sampling time, not to a recomputed old policy.
+  - Rewards are binary; no KL penalty to a reference model; no entropy bonus.
+  - On CUDA the weights and AdamW stay fp32 and the forward passes run under bf16 autocast;
+    log-probs, ratios and losses are always computed in fp32. On CPU everything is fp32.
+  - One process, one device: no distributed training, no vLLM. Generation is plain `generate`.
+  - The loss on the first (on-policy) update is ~0 by construction (r = 1 and advantages are centred
+    per group): a flat loss curve is not a sign that nothing is learned. Watch reward and accuracy.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor  # noqa: E402
+
+from rewards import extract_gold, reward  # noqa: E402
+
+# ============================================================================ config
+
+OBJECTIVES = ["ppo_clip"]
+
+
+def setting(default, help, **argparse_kwargs):
+    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+
+
+@dataclass
+class Config:
+    # --- what to train, on what ---
+    model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
+    dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), 'arithmetic' (generated in code), "
+                                    "a JSONL file with question/answer fields, or a directory holding train.jsonl and test.jsonl")
+    objective: str = setting("ppo_clip", "policy objective (SPEC §5)", choices=OBJECTIVES)
+    # --- rollout: sampling from mu ---
+    prompts_per_step: int = setting(32, "P: prompts per rollout batch")
+    samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
+    max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
+    temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
+    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (SPEC §3)")
+    # --- advantages and loss ---
+    scale_rewards: str = setting("group", "GRPO advantage: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
+                                 choices=["group", "none"])
+    loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (SPEC §6)",
+                            choices=["token_mean", "seq_mean_token_mean", "seq_sum"])
+    clip_low: float = setting(0.2, "ppo_clip: epsilon_low, the ratio is clipped below at 1 - clip_low")
+    clip_high: float = setting(0.28, "ppo_clip: epsilon_high, the ratio is clipped above at 1 + clip_high (DAPO clip-higher)")
+    dual_clip: float = setting(10.0, "ppo_clip: dual-clip constant c; for A < 0 the loss is at most -A*c")
+    # --- optimisation ---
+    steps: int = setting(200, "RL steps: one rollout batch and its updates each")
+    updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (M >= 2: the trust region acts from update 2 on)")
+    micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
+    learning_rate: float = setting(1e-6, "AdamW learning rate")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
+    # --- evaluation ---
+    eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
+    eval_n: int = setting(200, "held-out problems per evaluation")
+    eval_batch_size: int = setting(64, "prompts per evaluation generate call")
+    # --- bookkeeping ---
+    seed: int = setting(0, "seed for data order, sampling and initialisation")
+    device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
+    output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
+    cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
+
+
+# With no --model, the run is the offline CPU demo. These replace the single-GPU defaults above
+# unless the flag is given on the command line.
+DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates_per_step=2, micro_batch_size=128,
+                     learning_rate=1e-4, eval_every=20, eval_n=500, eval_batch_size=250)
+
+
+def parse_config(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
+    for f in dataclasses.fields(Config):
+        demo = f", demo: {DEMO_DEFAULTS[f.name]}" if f.name in DEMO_DEFAULTS else ""
+        parser.add_argument(f"--{f.name}", type=type(f.default), choices=f.metadata.get("choices"),
+                            help=f"{f.metadata['help']} (default: {f.default!r}{demo})")
+    given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
+    demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
+    cfg = Config(**{**demo_defaults, **given})
+    if not cfg.output_dir:
+        cfg.output_dir = f"runs/{cfg.objective}-seed{cfg.seed}"
+    return cfg
+
+
+# ============================================================================ data
+# A problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format).
+
+ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
+    ("+", "{n} has {a} {x}. {n} gets {b} more. How many {x} does {n} have now?"),
+    ("+", "There are {a} {x} in a box and {b} {x} on the table. How many {x} are there in all?"),
+    ("-", "{n} has {a} {x} and gives away {b}. How many {x} does {n} have left?"),
+    ("-", "A shop had {a} {x} and sold {b} of them. How many {x} are left?"),
+    ("*", "{n} buys {a} bags with {b} {x} in each. How many {x} does {n} buy?"),
+    ("*", "There are {a} rows of {b} {x}. How many {x} are there?"),
+]
+NAMES = ["Ann", "Ben", "Cai", "Dev", "Eli", "Fay", "Gus", "Ida"]
+NOUNS = ["apples", "pens", "cards", "books", "shells", "coins", "eggs", "stamps"]
+
+
+def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> dict[str, list[dict]]:
+    """GSM8K-shaped one-step word problems over small numbers, split into disjoint warm-up, test and
+    train sets (no question appears in two sets). The seed is fixed so every run and the cached tiny
+    model see the same sets."""
+    rng, seen, problems = random.Random(seed), set(), []
+    while len(problems) < n_warmup + n_test + n_train:
+        op, template = rng.choice(ARITHMETIC_TEMPLATES)
+        if op == "+":
+            a, b = rng.randint(1, 10), rng.randint(1, 10)
+        elif op == "-":
+            a = rng.randint(2, 20)
+            b = rng.randint(1, a - 1)
+        else:
+            a, b = rng.randint(2, 9), rng.randint(2, 9)
+        question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
+        if question not in seen:
+            seen.add(question)
+            c = eval(f"{a} {op} {b}")  # noqa: S307 (our own three-character expression)
+            problems.append({"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
+    return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test],
+            "train": problems[n_warmup + n_test :]}
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) problems for --dataset."""
+    if cfg.dataset == "arithmetic":
+        sets = arithmetic_problems()
+        return sets["train"], sets["test"]
+    path = Path(cfg.dataset)
+    if path.is_dir():
+        return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
+    if path.is_file():  # one file: its last eval_n problems are held out
+        problems = read_jsonl(path)
+        return problems[: -cfg.eval_n], problems[-cfg.eval_n :]
+    if cfg.dataset != "gsm8k":
+        sys.exit(f"error: --dataset {cfg.dataset!r} is neither a known name nor an existing path")
+    from datasets import load_dataset
+    gsm8k = load_dataset("openai/gsm8k", "main")
+    return [dict(row) for row in gsm8k["train"]], [dict(row) for row in gsm8k["test"]]
+
+
+# Chat models are asked for a \boxed{} answer, the format Qwen2.5's math prompts use; models without a
+# chat template (the tiny demo model) see a plain "Question: ...\nAnswer:" prompt.
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompt(tokenizer, question: str) -> str:
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Question: {question}\nAnswer:"
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
+    """Left-padded, so that every completion starts in the same column."""
+    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                     add_special_tokens=not tokenizer.chat_template).to(device)
+
+
+# ============================================================================ model
+
+def load_policy(name_or_path: str, device: torch.device):
+    """A causal LM and its tokenizer, from the Hub or a local directory, ready for sampling.
+
+    The checkpoint's own generation_config.json (Qwen2.5-Instruct ships temperature 0.7, top_p 0.8,
+    top_k 20, repetition_penalty 1.1) is replaced by a blank one: generate() fills every sampling
+    setting we leave unset from it, and then mu would not be the distribution our flags describe.
+    Only its EOS ids are kept: generation stops on every one of them."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).to(device)
+    eos = model.generation_config.eos_token_id
+    eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer
+
+
+def autocast(device: torch.device):
+    """bf16 matmuls on CUDA with fp32 weights (fp32 master weights, no loss scaling needed); nothing on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
+    """log pi(a_t | s_t) of every completion token, in fp32, from one teacher-forced forward pass.
+
+    Prompts are left-padded and completions right-padded, so the T completion tokens sit in the last T
+    columns and are predicted by the logits of the T columns before them: we ask the model for those
+    T+1 logits only (logits_to_keep), never for the prompt's. Position ids are passed explicitly, counted
+    from each row's first real token, as generate() counted them. log pi = logit - logsumexp(logits),
+    so no full-vocabulary log-softmax is materialised."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    T = completion_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1).logits[:, :-1]
+    logits = logits.float() / temperature
+    return logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer (any string encodes) with distinct EOS and pad tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so caches are rebuilt
+
+
+def build_tiny_model(cache_dir: str) -> str:
+    """The demo's policy: a 0.56M-parameter Qwen2-architecture model with a 512-token byte-level BPE
+    vocabulary trained on the arithmetic problems, warm-started by supervised learning on the warm-up
+    set until it solves about 30% of a dev split, so that RL starts from partial competence as it would
+    from a pretrained LM. Built once into cache_dir, loaded back through the same Auto classes as a
+    real checkpoint."""
+    path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
+    if (path / "config.json").exists():
+        return str(path)
+    from transformers import Qwen2Config
+
+    print(f"building the tiny demo model in {path} (once)")
+    torch.manual_seed(0)
+    sets = arithmetic_problems()
+    building = path.with_name(f"{path.name}.building-{os.getpid()}")
+    trained = train_tokenizer([f"Question: {p['question']}\nAnswer: {p['answer']}" for p in sets["warmup"] + sets["train"]])
+    config = Qwen2Config(vocab_size=len(trained), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
+    trained.save_pretrained(building)
+    config.save_pretrained(building)
+    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits
+    # split one by one) from this vocabulary, so the model must learn on *its* token boundaries.
+    tokenizer = AutoTokenizer.from_pretrained(building)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    warm_up(model, tokenizer, sets["warmup"][:-200], dev=sets["warmup"][-200:], target_accuracy=0.30)
+    model.save_pretrained(building)
+    try:
+        building.rename(path)
+    except OSError:  # another process finished first: use theirs
+        shutil.rmtree(building)
+    return str(path)
+
+
+def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=2e-3, check_every=10, max_steps=2000):
+    """Supervised fine-tuning on gold solutions (maximise log pi of each gold completion), stopped as
+    soon as greedy dev accuracy reaches target_accuracy."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng, device = random.Random(0), torch.device("cpu")
+    for step in range(1, max_steps + 1):
+        batch = rng.sample(problems, batch_size)
+        prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], device)
+        completions = tokenizer([" " + p["answer"] + tokenizer.eos_token for p in batch], return_tensors="pt",
+                                padding=True, padding_side="right", add_special_tokens=False)
+        logp = completion_logprobs(model, prompts.input_ids, prompts.attention_mask,
+                                   completions.input_ids, completions.attention_mask, temperature=1.0)
+        mask = completions.attention_mask
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % check_every == 0:
+            accuracy = evaluate(model, tokenizer, dev, max_new_tokens=16, batch_size=len(dev))
+            print(f"  warm-up step {step}: loss {loss.item():.3f}, dev accuracy {accuracy:.1%}")
+            if accuracy >= target_accuracy:
+                break
+
+
+# ============================================================================ rollout
+
+def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last axis, with 0 log 0 = 0."""
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+
+
+class SamplingRecorder(LogitsProcessor):
+    """Records mu, the distribution generate() samples each token from, one decoding step at a time (SPEC §3).
+
+    generate() runs logits processors on the raw logits, before its own temperature warper, so we
+    divide by T here: mu = softmax(logits / T), which is exactly what is sampled with top_k=0, top_p=1.
+    The token sampled at step t is only known at step t+1 (it is then the last column of input_ids), so
+    one step's full-vocabulary log-probs are held until then, and no longer."""
+
+    def __init__(self, temperature: float, k: int):
+        self.temperature, self.k = temperature, k
+        self.logp_mu, self.topk_ids, self.topk_logp_mu, self.entropy_mu = [], [], [], []
+        self.last_step_logp = None  # (B, V): log mu(.|s_t) of the newest step, until its token is known
+
+    def __call__(self, input_ids, scores):
+        if self.last_step_logp is not None:
+            self.record_sampled(input_ids[:, -1])
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        top_logp, top_ids = logp.topk(min(self.k, logp.shape[-1]), dim=-1)
+        self.topk_ids.append(top_ids)
+        self.topk_logp_mu.append(top_logp)
+        self.entropy_mu.append(entropy_from_logp(logp))
+        self.last_step_logp = logp
+        return scores
+
+    def record_sampled(self, tokens):
+        """log mu of the sampled tokens; a sampled token outside mu's top K takes the K-th slot (the
+        evicted token joins the 'other' bucket), as the DPPO authors' code does."""
+        step = len(self.logp_mu)
+        logp = self.last_step_logp.gather(-1, tokens[:, None]).squeeze(-1)
+        ids, top_logp = self.topk_ids[step], self.topk_logp_mu[step]
+        outside = ~(ids == tokens[:, None]).any(-1)
+        ids[outside, -1], top_logp[outside, -1] = tokens[outside], logp[outside]
+        self.logp_mu.append(logp)
+        self.last_step_logp = None
+
+    def finish(self, completion_ids) -> dict:
+        """The recorded tensors, (B, T) or (B, T, K), for the T generated columns."""
+        T = completion_ids.shape[1]
+        if len(self.logp_mu) < T:
+            self.record_sampled(completion_ids[:, -1])
+        # generate() may run one step more than it keeps (a deferred stop check): drop it.
+        return {name: torch.stack(getattr(self, name)[:T], dim=1)
+                for name in ("logp_mu", "topk_ids", "topk_logp_mu", "entropy_mu")}
+
+
+@dataclass
+class Rollout:
+    """A batch of B = P*G sampled completions (the G samples of a prompt in consecutive rows) and what
+    the objectives need to know about mu."""
+    prompt_ids: torch.Tensor       # (B, Lp) left-padded
+    prompt_mask: torch.Tensor      # (B, Lp)
+    completion_ids: torch.Tensor   # (B, T)  right-padded
+    completion_mask: torch.Tensor  # (B, T)  1.0 up to and including the first EOS, 0.0 after
+    logp_mu: torch.Tensor          # (B, T)  log mu(a_t | s_t) of the sampled token
+    topk_ids: torch.Tensor         # (B, T, K) mu's K most probable ids, the sampled token always among them
+    topk_logp_mu: torch.Tensor     # (B, T, K) their log mu
+    entropy_mu: torch.Tensor       # (B, T)  full-vocabulary entropy of mu(. | s_t)
+    texts: list[str]               # the completions as text, up to the first EOS
+
+    def rows(self, index: torch.Tensor) -> "Rollout":
+        """A subset of rows, without the columns that are padding in every one of them."""
+        prompt_mask, completion_mask = self.prompt_mask[index], self.completion_mask[index]
+        first = int(prompt_mask.any(0).int().argmax())
+        T = int(completion_mask.sum(1).max())
+        return Rollout(self.prompt_ids[index, first:], prompt_mask[:, first:], self.completion_ids[index, :T],
+                       completion_mask[:, :T], self.logp_mu[index, :T], self.topk_ids[index, :T],
+                       self.topk_logp_mu[index, :T], self.entropy_mu[index, :T], [self.texts[i] for i in index])
+
+
+def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
+    """1.0 up to and including the first EOS, 0.0 after it (generate() pads rows that have finished)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
+    eos_strictly_before = is_eos.cumsum(1) - is_eos
+    return (eos_strictly_before == 0).float()
+
+
+def decode(tokenizer, completion_ids, mask) -> list[str]:
+    lengths = mask.sum(1).long().tolist()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
+    """Sample one completion per prompt (repeat a prompt G times for a group), recording mu as it goes.
+    Every sampling setting is passed explicitly (SPEC §3 pitfalls): generate(do_sample=True) would
+    otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
+    inputs = tokenize_prompts(tokenizer, prompts, model.device)
+    recorder = SamplingRecorder(cfg.temperature, cfg.topk)
+    with autocast(model.device):
+        sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                                   min_p=None, typical_p=1.0, repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
+                                   logits_processor=[recorder])
+    completion_ids = sequences[:, inputs.input_ids.shape[1]:]
+    mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
+    return Rollout(inputs.input_ids, inputs.attention_mask, completion_ids, mask, **recorder.finish(completion_ids),
+                   texts=decode(tokenizer, completion_ids, mask))
+
+
+# ============================================================================ rewards
+# rewards.py: reward(completion, gold) is 1.0 when the completion's final number equals the gold one.
+
+
+# ============================================================================ advantages
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-6):
+    """GRPO (arXiv 2402.03300, §4.1.2): A_j = (R_j - mean(R)) / (std(R) + eps) over the G completions of
+    one prompt, Bessel-corrected std (SPEC §4). scale_rewards='none' only centres: A_j = R_j - mean(R)
+    (Dr. GRPO, arXiv 2503.20783). A group whose rewards are all equal gets A = 0: it teaches nothing."""
+    groups = rewards.view(-1, group_size)
+    advantages = groups - groups.mean(1, keepdim=True)
+    if scale_rewards == "group":
+        advantages = advantages / (groups.std(1, keepdim=True) + eps)
+    return advantages.flatten()
+
+
+# ============================================================================ objectives
+# Per-token losses l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t) (with gradient),
+# logp_mu = log mu(a_t|s_t) (recorded at sampling), A broadcast over the completion's tokens.
+
+def ppo_clip_loss(logp, logp_mu, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0):
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) with DAPO's decoupled
+    clip-higher bounds (arXiv 2503.14476) and dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
+        r = pi / mu,   l = max(-A*r, -A*clip(r, 1 - eps_low, 1 + eps_high)),   and if A < 0: l = min(l, -A*c)
+    Returns l and the mask of tokens where a clip binds: they get no gradient."""
+    ratio = torch.exp(logp - logp_mu)
+    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    clipped = ((advantages > 0) & (ratio > 1 + clip_high)) | \
+              ((advantages < 0) & ((ratio < 1 - clip_low) | (ratio > dual_clip)))
+    return loss, clipped
+
+
+# ============================================================================ update
+
+def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """Per-token weights w with sum(w * l) = the mini-batch's loss (SPEC §6). They are computed over the
+    whole mini-batch, so splitting it into micro-batches for memory does not change the update."""
+    if loss_agg == "token_mean":  # DAPO: every token of the mini-batch counts the same
+        return mask / mask.sum()
+    if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
+        return mask / mask.sum(1, keepdim=True) / mask.shape[0]
+    return mask / mask.shape[0]  # seq_sum: mean over completions of each one's token sum (DCPO's OTM)
+
+
+def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
+    """Backpropagate one mini-batch's loss, one micro-batch at a time (gradients add up), and return
+    sums for the diagnostics. The token weights are the whole mini-batch's (SPEC §6)."""
+    weights = token_weights(minibatch.completion_mask, cfg.loss_agg)
+    sums = dict(tokens=0, clipped_pos=0, clipped_neg=0, abs_pi_minus_mu=0.0, max_abs_pi_minus_mu=0.0, loss=0.0)
+    for rows in torch.arange(len(advantages)).split(cfg.micro_batch_size):
+        mb, A = minibatch.rows(rows), advantages[rows, None]
+        with autocast(model.device):
+            logp = completion_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                       cfg.temperature)
+        loss, clipped = ppo_clip_loss(logp, mb.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        loss = (loss * weights[rows, : logp.shape[1]]).sum()
+        loss.backward()
+        with torch.no_grad():
+            m = mb.completion_mask.bool()
+            abs_pi_minus_mu = (logp.exp() - mb.logp_mu.exp()).abs()[m]
+            sums["tokens"] += m.sum().item()
+            sums["clipped_pos"] += (clipped & m & (A > 0)).sum().item()
+            sums["clipped_neg"] += (clipped & m & (A < 0)).sum().item()
+            sums["abs_pi_minus_mu"] += abs_pi_minus_mu.sum().item()
+            sums["max_abs_pi_minus_mu"] = max(sums["max_abs_pi_minus_mu"], abs_pi_minus_mu.max().item())
+            sums["loss"] += loss.item()
+    return sums
+
+
+def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
+    """M optimizer steps on one rollout batch: shuffle its completions, split them into M mini-batches,
+    and for each accumulate the gradient, clip its norm, and step. Returns the step's diagnostics."""
+    advantages = advantages.to(model.device)
+    losses, grad_norms, sums = [], [], []
+    for minibatch in torch.randperm(len(advantages)).chunk(cfg.updates_per_step):
+        optimizer.zero_grad(set_to_none=True)
+        sums.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg))
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
+        optimizer.step()
+    tokens = sum(s["tokens"] for s in sums)
+    clipped_pos, clipped_neg = sum(s["clipped_pos"] for s in sums), sum(s["clipped_neg"] for s in sums)
+    return {"loss": np.mean([s["loss"] for s in sums]), "grad_norm": np.mean(grad_norms),
+            "clip/frac": (clipped_pos + clipped_neg) / tokens,
+            "clip/frac_pos_adv": clipped_pos / tokens, "clip/frac_neg_adv": clipped_neg / tokens,
+            "policy/abs_pi_minus_mu_mean": sum(s["abs_pi_minus_mu"] for s in sums) / tokens,
+            "policy/abs_pi_minus_mu_max": max(s["max_abs_pi_minus_mu"] for s in sums)}
+
+
+# ============================================================================ evaluation
+
+@torch.no_grad()
+def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int) -> float:
+    """Greedy accuracy: the fraction of problems whose greedy completion earns reward 1."""
+    correct = 0.0
+    for start in range(0, len(problems), batch_size):
+        batch = problems[start : start + batch_size]
+        inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
+        with autocast(model.device):
+            sequences = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        completion_ids = sequences[:, inputs.input_ids.shape[1]:]
+        texts = decode(tokenizer, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id))
+        correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
+    return correct / len(problems)
+
+
+# ============================================================================ main
+
+def problem_batches(problems: list[dict], batch_size: int, seed: int):
+    """Endless batches of problems, reshuffled (seeded) at every pass over the set."""
+    rng = random.Random(seed)
+    while True:
+        order = rng.sample(range(len(problems)), len(problems))
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            yield [problems[i] for i in order[start : start + batch_size]]
+
+
+def main(argv=None) -> dict:
+    cfg = parse_config(argv)
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    started = time.time()
+
+    train_problems, held_out = load_problems(cfg)
+    held_out = held_out[: cfg.eval_n]
+    model, tokenizer = load_policy(cfg.model or build_tiny_model(cfg.cache_dir), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = open(output_dir / "metrics.jsonl", "w")
+
+    def log(record: dict):
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+    def run_eval(step: int) -> float:
+        accuracy = evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size)
+        log({"step": step, "eval/accuracy": accuracy})
+        return accuracy
+
+    G = cfg.samples_per_prompt
+    initial_accuracy = accuracy = run_eval(step=0)
+    batches = problem_batches(train_problems, cfg.prompts_per_step, cfg.seed)
+    progress = tqdm(range(1, cfg.steps + 1), desc=cfg.objective, dynamic_ncols=True)
+    for step in progress:
+        problems = next(batches)
+        rollout_started = time.time()
+        prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
+        rollout = generate_rollout(model, tokenizer, prompts, cfg)
+        golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
+        rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
+        advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
+        update_started = time.time()
+        stats = update_policy(model, optimizer, rollout, advantages, cfg)
+        lengths = rollout.completion_mask.sum(1)
+        mask = rollout.completion_mask
+        log({"step": step,
+             "reward/mean": rewards.mean().item(),
+             "reward/zero_spread_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
+             "completion/length_mean": lengths.mean().item(),
+             "completion/truncated": (rollout.completion_mask[:, -1] == 1).float().mean().item()
+             if rollout.completion_ids.shape[1] == cfg.max_new_tokens else 0.0,
+             "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
+             **stats,
+             "time/rollout_s": update_started - rollout_started,
+             "time/update_s": time.time() - update_started,
+             "time/elapsed_s": time.time() - started})
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            accuracy = run_eval(step)
+        progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", clip=f"{stats['clip/frac']:.3f}")
+
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    metrics_file.close()
+    print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
+          f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
+          f"metrics and model in {output_dir}")
+    return {"initial_accuracy": initial_accuracy, "final_accuracy": accuracy}
+
+
+if __name__ == "__main__":
+    main()
