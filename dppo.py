@@ -14,8 +14,8 @@ One training step (read the file top to bottom, in this order):
     4. updates: the rollout batch is split into M mini-batches, one AdamW step each. Only the first is
        on-policy; the trust region (here PPO's clip of r = pi/mu) matters on updates 2..M.
 
-The method is specified in SPEC.md (kept beside this project by its authors); section numbers below
-(SPEC §5, ...) point there, and each objective names its paper and equation.
+Marks like (SPEC §5) point to the sections of the method specification this file is written against;
+every formula also names the paper it comes from.
 
 Simplifications, stated once:
   - The trust region is anchored to mu as recorded at sampling time, not to a recomputed old policy.
@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -55,6 +54,7 @@ OBJECTIVES = ["ppo_clip"]
 
 
 def setting(default, help, **argparse_kwargs):
+    """A Config field that is also a command-line flag: its help text and any argparse options ride along."""
     return field(default=default, metadata=dict(help=help, **argparse_kwargs))
 
 
@@ -257,11 +257,11 @@ TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so c
 
 
 def build_tiny_model(cache_dir: str) -> str:
-    """The demo's policy: a 0.56M-parameter Qwen2-architecture model with a 512-token byte-level BPE
-    vocabulary trained on the arithmetic problems, warm-started by supervised learning on the warm-up
-    set until it solves about 30% of a dev split, so that RL starts from partial competence as it would
-    from a pretrained LM. Built once into cache_dir, loaded back through the same Auto classes as a
-    real checkpoint."""
+    """The demo's policy: a 0.55M-parameter Qwen2-architecture model with a byte-level BPE vocabulary
+    trained on the arithmetic problems (451 tokens: the corpus runs out of merges before 512),
+    warm-started by supervised learning on the warm-up set until it solves about 30% of a dev split,
+    so that RL starts from partial competence as it would from a pretrained LM. Built once into
+    cache_dir, loaded back through the same Auto classes as a real checkpoint."""
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
@@ -413,7 +413,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with autocast(model.device):
         sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                                   min_p=None, typical_p=1.0, repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
+                                   repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
                                    logits_processor=[recorder])
     completion_ids = sequences[:, inputs.input_ids.shape[1]:]
     mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
@@ -444,7 +444,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
 
 def ppo_clip_loss(logp, logp_mu, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0):
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) with DAPO's decoupled
-    clip-higher bounds (arXiv 2503.14476) and dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
+    clip-higher bounds (arXiv 2503.14476, §3.1) and dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
         r = pi / mu,   l = max(-A*r, -A*clip(r, 1 - eps_low, 1 + eps_high)),   and if A < 0: l = min(l, -A*c)
     Returns l and the mask of tokens where a clip binds: they get no gradient."""
     ratio = torch.exp(logp - logp_mu)
@@ -460,7 +460,7 @@ def ppo_clip_loss(logp, logp_mu, advantages, clip_low=0.2, clip_high=0.28, dual_
 def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     """Per-token weights w with sum(w * l) = the mini-batch's loss (SPEC §6). They are computed over the
     whole mini-batch, so splitting it into micro-batches for memory does not change the update."""
-    if loss_agg == "token_mean":  # DAPO: every token of the mini-batch counts the same
+    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, §3.3): every token of the mini-batch counts the same
         return mask / mask.sum()
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
         return mask / mask.sum(1, keepdim=True) / mask.shape[0]
@@ -496,7 +496,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     """M optimizer steps on one rollout batch: shuffle its completions, split them into M mini-batches,
     and for each accumulate the gradient, clip its norm, and step. Returns the step's diagnostics."""
     advantages = advantages.to(model.device)
-    losses, grad_norms, sums = [], [], []
+    grad_norms, sums = [], []
     for minibatch in torch.randperm(len(advantages)).chunk(cfg.updates_per_step):
         optimizer.zero_grad(set_to_none=True)
         sums.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg))
@@ -578,14 +578,13 @@ def main(argv=None) -> dict:
         advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
         update_started = time.time()
         stats = update_policy(model, optimizer, rollout, advantages, cfg)
-        lengths = rollout.completion_mask.sum(1)
         mask = rollout.completion_mask
+        eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
         log({"step": step,
              "reward/mean": rewards.mean().item(),
              "reward/zero_spread_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
-             "completion/length_mean": lengths.mean().item(),
-             "completion/truncated": (rollout.completion_mask[:, -1] == 1).float().mean().item()
-             if rollout.completion_ids.shape[1] == cfg.max_new_tokens else 0.0,
+             "completion/length_mean": mask.sum(1).mean().item(),
+             "completion/truncated": 1 - torch.isin(rollout.completion_ids, eos_ids).any(1).float().mean().item(),
              "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
              **stats,
              "time/rollout_s": update_started - rollout_started,

@@ -145,6 +145,16 @@ def sample(policy, temperature, topk, n=6, max_new_tokens=12):
     return dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(n // 3)], cfg)
 
 
+def test_prompts_use_the_chat_template_when_there_is_one():
+    tokenizer = dppo.train_tokenizer(["a few words"], vocab_size=260)
+    assert dppo.format_prompt(tokenizer, "What is 2+3?") == "Question: What is 2+3?\nAnswer:"
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert dppo.format_prompt(tokenizer, "What is 2+3?") == (
+        "<|im_start|>user\nWhat is 2+3?\nPlease reason step by step, and put your final answer within \\boxed{}."
+        "<|im_end|>\n<|im_start|>assistant\n")
+
+
 # ---------------------------------------------------------------------------- rollout: what is recorded about mu
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
