@@ -149,7 +149,7 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
         question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
         if question not in seen:
             seen.add(question)
-            c = eval(f"{a} {op} {b}")  # noqa: S307 (our own three-character expression)
+            c = {"+": a + b, "-": a - b, "*": a * b}[op]
             problems.append({"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
     return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test],
             "train": problems[n_warmup + n_test :]}
@@ -400,6 +400,7 @@ def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
+    """Each completion as text, up to and including its first EOS (which skip_special_tokens drops)."""
     lengths = mask.sum(1).long().tolist()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
 
