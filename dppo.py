@@ -1,24 +1,30 @@
 """dppo.py: RL post-training of a language model with trust-region policy objectives, in one file.
 
-    python dppo.py                                   # offline demo: a built-in tiny model learns arithmetic on a CPU
+    python dppo.py                                    # offline demo: a built-in tiny model learns arithmetic on a CPU
+    python dppo.py --objective topk_tv                # the same with DPPO's top-K TV trust region
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
 
 One training step (read the file top to bottom, in this order):
-    config -> data -> model -> rollout -> rewards -> advantages -> objective -> update -> evaluation -> main
+    config -> data -> model -> rollout -> rewards -> advantages -> objectives -> update -> evaluation -> main
     1. rollout: P prompts x G samples in one batched Hugging Face `generate`. While sampling we record,
        per completion token, the distribution mu it was drawn from: log mu(sampled token), mu's top-K ids
        and log-probs (sampled token always included), and mu's entropy. Full-vocabulary logits are kept
        for one decoding step at a time, never for the whole rollout.
     2. rewards: 1/0 correctness of the final number (rewards.py).
-    3. advantages: GRPO, per group of G completions of one prompt.
-    4. updates: the rollout batch is split into M mini-batches, one AdamW step each. Only the first is
-       on-policy; the trust region (here PPO's clip of r = pi/mu) matters on updates 2..M.
+    3. advantages: GRPO per group of G completions of one prompt, or DCPO's SAS, which also remembers
+       each prompt's rewards from earlier visits.
+    4. updates: the rollout batch is split into M mini-batches, one AdamW step each, on the per-token
+       loss of --objective: a policy gradient with no trust region (pg), PPO's ratio clip (ppo_clip),
+       DCPO's probability-dependent clip (dcpo), ERC's entropy-ratio mask on top of ppo_clip (erc), or
+       DPPO's divergence mask (binary_tv, binary_kl, topk_tv, topk_kl). Only the first update is
+       on-policy; every trust region acts on updates 2..M.
 
 Marks like (SPEC §5) point to the sections of the method specification this file is written against;
 every formula also names the paper it comes from.
 
 Simplifications, stated once:
-  - The trust region is anchored to mu as recorded at sampling time, not to a recomputed old policy.
+  - Every trust region is anchored to mu as recorded at sampling time, as DPPO prescribes; --recompute_old
+    anchors to a recomputed old policy instead (the DPPO paper's ablation).
   - Rewards are binary; no KL penalty to a reference model; no entropy bonus.
   - On CUDA the weights and AdamW stay fp32 and the forward passes run under bf16 autocast;
     log-probs, ratios and losses are always computed in fp32. On CPU everything is fp32.
@@ -31,11 +37,13 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +58,7 @@ from rewards import extract_gold, reward  # noqa: E402
 
 # ============================================================================ config
 
-OBJECTIVES = ["ppo_clip"]
+OBJECTIVES = ["pg", "ppo_clip", "dcpo", "erc", "binary_tv", "binary_kl", "topk_tv", "topk_kl"]
 
 
 def setting(default, help, **argparse_kwargs):
@@ -64,23 +72,37 @@ class Config:
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), 'arithmetic' (generated in code), "
                                     "a JSONL file with question/answer fields, or a directory holding train.jsonl and test.jsonl")
-    objective: str = setting("ppo_clip", "policy objective (SPEC §5)", choices=OBJECTIVES)
+    objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (SPEC §5; README has the paper map)",
+                             choices=OBJECTIVES)
     # --- rollout: sampling from mu ---
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (SPEC §3)")
-    # --- advantages and loss ---
+    # --- advantages and loss aggregation (shared by every objective) ---
+    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage "
+                                     "standardisation, with per-prompt reward history across visits (SPEC §4)",
+                             choices=["grpo", "sas"])
     scale_rewards: str = setting("group", "GRPO advantage: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
                                  choices=["group", "none"])
     loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (SPEC §6)",
                             choices=["token_mean", "seq_mean_token_mean", "seq_sum"])
-    clip_low: float = setting(0.2, "ppo_clip: epsilon_low, the ratio is clipped below at 1 - clip_low")
-    clip_high: float = setting(0.28, "ppo_clip: epsilon_high, the ratio is clipped above at 1 + clip_high (DAPO clip-higher)")
-    dual_clip: float = setting(10.0, "ppo_clip: dual-clip constant c; for A < 0 the loss is at most -A*c")
+    # --- trust regions (SPEC §5); each objective reads only its own ---
+    clip_low: float = setting(0.2, "ppo_clip, erc: ratio clipped below at 1 - eps_low; dcpo: eps_low of its bounds")
+    clip_high: float = setting(0.28, "ppo_clip, erc: ratio clipped above at 1 + eps_high (DAPO clip-higher); dcpo: eps_high")
+    dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
+    dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
+    erc_beta_low: float = setting(0.05, "erc: keep a token's gradient only if its entropy ratio is above 1 - beta_low")
+    erc_beta_high: float = setting(0.05, "erc: ... and below 1 + beta_high")
+    delta_low: float = setting(0.15, "binary_*/topk_*: a token with A < 0 whose probability falls is blocked when D > delta_low")
+    delta_high: float = setting(0.15, "binary_*/topk_*: a token with A > 0 whose probability rises is blocked when D > delta_high")
+    is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
+    recompute_old: bool = setting(False, "anchor every trust region to a no-grad forward pass of the policy before the "
+                                         "step's first update, instead of to mu recorded at sampling (DPPO paper's ablation)")
     # --- optimisation ---
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
+    epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
     updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (M >= 2: the trust region acts from update 2 on)")
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
@@ -97,21 +119,33 @@ class Config:
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
 
-# With no --model, the run is the offline CPU demo. These replace the single-GPU defaults above
-# unless the flag is given on the command line.
+# Defaults that belong to a method rather than to the run (SPEC §5): DCPO is SAS advantages plus its
+# "only token mean" aggregation, and DPPO's KL variants use a smaller threshold than its TV variants.
+OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
+                      "binary_kl": dict(delta_low=0.05, delta_high=0.05),
+                      "topk_kl": dict(delta_low=0.05, delta_high=0.05)}
+
+# With no --model, the run is the offline CPU demo. These replace the single-GPU defaults above.
 DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates_per_step=2, micro_batch_size=128,
                      learning_rate=1e-4, eval_every=20, eval_n=500, eval_batch_size=250)
 
 
 def parse_config(argv=None) -> Config:
+    """Flags typed on the command line always win; then the objective's own defaults; then the demo's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(Config):
-        demo = f", demo: {DEMO_DEFAULTS[f.name]}" if f.name in DEMO_DEFAULTS else ""
-        parser.add_argument(f"--{f.name}", type=type(f.default), choices=f.metadata.get("choices"),
-                            help=f"{f.metadata['help']} (default: {f.default!r}{demo})")
+        special = [f"{name}: {overrides[f.name]!r}" for name, overrides in OBJECTIVE_DEFAULTS.items() if f.name in overrides]
+        if f.name in DEMO_DEFAULTS:
+            special.append(f"demo: {DEMO_DEFAULTS[f.name]!r}")
+        help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
+        if isinstance(f.default, bool):
+            parser.add_argument(f"--{f.name}", action="store_true", help=help)
+        else:
+            parser.add_argument(f"--{f.name}", type=type(f.default), choices=f.metadata.get("choices"), help=help)
     given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
-    cfg = Config(**{**demo_defaults, **given})
+    objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
+    cfg = Config(**{**demo_defaults, **objective_defaults, **given})
     if not cfg.output_dir:
         cfg.output_dir = f"runs/{cfg.objective}-seed{cfg.seed}"
     return cfg
@@ -222,14 +256,18 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
-    """log pi(a_t | s_t) of every completion token, in fp32, from one teacher-forced forward pass.
+def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                    topk_ids=None, with_entropy=False):
+    """One teacher-forced forward pass of pi over prompt + completion. Returns, for the T completion tokens:
+      logp       (B, T)     log pi(a_t | s_t), fp32, with gradient;
+      topk_logp  (B, T, K)  log pi at the given ids (mu's top K), without gradient, if topk_ids is given;
+      entropy    (B, T)     full-vocabulary entropy of pi(. | s_t), without gradient, if with_entropy.
 
     Prompts are left-padded and completions right-padded, so the T completion tokens sit in the last T
     columns and are predicted by the logits of the T columns before them: we ask the model for those
     T+1 logits only (logits_to_keep), never for the prompt's. Position ids are passed explicitly, counted
     from each row's first real token, as generate() counted them. log pi = logit - logsumexp(logits),
-    so no full-vocabulary log-softmax is materialised."""
+    so no full-vocabulary log-softmax is kept; the entropy is computed a chunk of positions at a time."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -237,7 +275,21 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=T + 1).logits[:, :-1]
     logits = logits.float() / temperature
-    return logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    log_normaliser = logits.logsumexp(-1, keepdim=True)
+    logp = (logits.gather(-1, completion_ids.unsqueeze(-1)) - log_normaliser).squeeze(-1)
+    topk_logp = entropy = None
+    with torch.no_grad():
+        if topk_ids is not None:
+            topk_logp = logits.gather(-1, topk_ids) - log_normaliser
+        if with_entropy:
+            entropy = torch.cat([entropy_from_logp(chunk.log_softmax(-1)) for chunk in logits.split(64, dim=1)], dim=1)
+    return logp, topk_logp, entropy
+
+
+def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last axis, with 0 log 0 = 0."""
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
@@ -301,8 +353,8 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
         prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], device)
         completions = tokenizer([" " + p["answer"] + tokenizer.eos_token for p in batch], return_tensors="pt",
                                 padding=True, padding_side="right", add_special_tokens=False)
-        logp = completion_logprobs(model, prompts.input_ids, prompts.attention_mask,
-                                   completions.input_ids, completions.attention_mask, temperature=1.0)
+        logp, _, _ = policy_logprobs(model, prompts.input_ids, prompts.attention_mask,
+                                     completions.input_ids, completions.attention_mask, temperature=1.0)
         mask = completions.attention_mask
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad()
@@ -316,12 +368,6 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
 
 
 # ============================================================================ rollout
-
-def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
-    """-sum p log p over the last axis, with 0 log 0 = 0."""
-    p = logp.exp()
-    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
-
 
 class SamplingRecorder(LogitsProcessor):
     """Records mu, the distribution generate() samples each token from, one decoding step at a time (SPEC §3).
@@ -371,7 +417,8 @@ class SamplingRecorder(LogitsProcessor):
 @dataclass
 class Rollout:
     """A batch of B = P*G sampled completions (the G samples of a prompt in consecutive rows) and what
-    the objectives need to know about mu."""
+    the objectives need to know about mu. With --recompute_old, logp_mu, topk_logp_mu and entropy_mu are
+    overwritten with pi_old's before the updates (see recompute_anchor): they always hold the anchor."""
     prompt_ids: torch.Tensor       # (B, Lp) left-padded
     prompt_mask: torch.Tensor      # (B, Lp)
     completion_ids: torch.Tensor   # (B, T)  right-padded
@@ -439,21 +486,194 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
     return advantages.flatten()
 
 
+def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
+    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333, the SAS equations; SPEC §4). Each prompt keeps, across
+    visits, the mean and std of its rewards over all its visits so far, each visit weighted equally:
+    history[key] = (visits i, mean_tot, std_tot), updated in place. On visit i, with the group's own
+    statistics (mean_new, std_new, Bessel-corrected like GRPO):
+        A_new = (R - mean_new) / std_new          A_tot = (R - mean_tot) / std_tot       (0 where std = 0)
+        SA_new = (i-1)/i * A_new + 1/i * A_tot    SA_tot = 1/i * A_new + (i-1)/i * A_tot
+        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot).
+    Visit 1 is GRPO without the eps; a later group with equal rewards gets A = (1/i) * A_tot, not 0."""
+    advantages = []
+    for key, R in zip(prompt_keys, rewards.view(-1, group_size)):
+        mean_new, std_new = R.mean().item(), R.std().item()
+        visits, mean_old, std_old = history.get(key, (0, 0.0, 0.0))
+        i = visits + 1
+        mean_tot = (visits * mean_old + mean_new) / i
+        std_tot = math.sqrt((visits * std_old**2 + std_new**2 + (visits / i) * (mean_new - mean_old) ** 2) / i)
+        history[key] = (i, mean_tot, std_tot)
+        A_new = (R - mean_new) / std_new if std_new > 0 else torch.zeros_like(R)
+        A_tot = (R - mean_tot) / std_tot if std_tot > 0 else torch.zeros_like(R)
+        SA_new = (i - 1) / i * A_new + 1 / i * A_tot
+        SA_tot = 1 / i * A_new + (i - 1) / i * A_tot
+        advantages.append(torch.where(SA_new.abs() < SA_tot.abs(), SA_new, SA_tot))
+    return torch.cat(advantages)
+
+
 # ============================================================================ objectives
-# Per-token losses l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t) (with gradient),
-# logp_mu = log mu(a_t|s_t) (recorded at sampling), A broadcast over the completion's tokens.
+# Every objective is a per-token loss l_t to minimise (SPEC §5), from fp32 log-probs: logp = log pi(a_t|s_t)
+# with gradient; logp_mu = log mu(a_t|s_t), the anchor, recorded at sampling; the sequence's advantage A
+# broadcast over its tokens. Each also returns the mask of tokens its trust region gave no gradient.
+#
+# First, DPPO's divergences between mu(.|s_t) and pi(.|s_t) (arXiv 2602.04879: binary TV and KL, eqs. 13-14;
+# the top-K ones and their lower-bound property, its appendix). Each is the TV or KL of the two
+# distributions *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or
+# {mu's top-K tokens one by one, the rest} (top-K). A coarser partition never increases TV or KL, so
+# binary <= top-K <= full vocabulary: the approximations can only block less. Computed in fp32, without
+# gradient; probabilities are clamped at 1e-12 so every value is finite at p or q = 0 or 1.
+
+LOG_EPS = math.log(1e-12)
+
+
+def log1mexp(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - p) from log p, accurate near p = 1, where computing 1 - p directly loses every digit."""
+    return (-torch.expm1(logp)).clamp(min=1e-12).log()
+
+
+def with_rest(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the cells of a partition: the given outcomes (last axis) plus 'the rest' = 1 - their sum."""
+    return torch.cat([logp, log1mexp(logp.logsumexp(-1, keepdim=True))], dim=-1)
+
+
+def partition_tv(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
+    """TV(mu, pi) = 1/2 sum_cells |mu(cell) - pi(cell)|, cells on the last axis."""
+    return 0.5 * (logp_mu.exp() - logp_pi.exp()).abs().sum(-1)
+
+
+def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
+    """KL(mu || pi) = sum_cells mu(cell) log(mu(cell) / pi(cell)), cells on the last axis, mu first."""
+    logp_mu, logp_pi = logp_mu.clamp(min=LOG_EPS), logp_pi.clamp(min=LOG_EPS)
+    return (logp_mu.exp() * (logp_mu - logp_pi)).sum(-1)
+
+
+@torch.no_grad()
+def binary_tv(logp_mu, logp_pi):
+    """D = |p - q|: TV over {a_t, the rest}, where both cells differ by the same amount."""
+    return (logp_mu.exp() - logp_pi.exp()).abs()
+
+
+@torch.no_grad()
+def binary_kl(logp_mu, logp_pi):
+    """D = q log(q/p) + (1-q) log((1-q)/(1-p)): KL(mu || pi) over {a_t, the rest}."""
+    return partition_kl(with_rest(logp_mu.unsqueeze(-1)), with_rest(logp_pi.unsqueeze(-1)))
+
+
+@torch.no_grad()
+def topk_tv(topk_logp_mu, topk_logp_pi):
+    """D = 1/2 (sum_{a in S} |mu(a) - pi(a)| + |mu(other) - pi(other)|), S = mu's top-K ids, sampled token included."""
+    return partition_tv(with_rest(topk_logp_mu), with_rest(topk_logp_pi))
+
+
+@torch.no_grad()
+def topk_kl(topk_logp_mu, topk_logp_pi):
+    """D = sum_{a in S} mu(a) log(mu(a)/pi(a)) + mu(other) log(mu(other)/pi(other))."""
+    return partition_kl(with_rest(topk_logp_mu), with_rest(topk_logp_pi))
+
+
+@torch.no_grad()
+def full_tv(logits_mu, logits_pi):
+    """The exact TV over the whole vocabulary, from two logits tensors (for tests and teaching)."""
+    return partition_tv(logits_mu.float().log_softmax(-1), logits_pi.float().log_softmax(-1))
+
+
+@torch.no_grad()
+def full_kl(logits_mu, logits_pi):
+    """The exact KL(mu || pi) over the whole vocabulary, from two logits tensors (for tests and teaching)."""
+    return partition_kl(logits_mu.float().log_softmax(-1), logits_pi.float().log_softmax(-1))
+
+
+def pg_loss(logp, logp_mu, advantages, is_cap=math.inf):
+    """No trust region: importance-weighted policy gradient, the DPPO paper's "PG-IS" control (arXiv 2602.04879):
+        l = -A * sg(min(r, C)) * log pi,   r = pi / mu,   C = is_cap (inf: no cap)
+    For r <= C its gradient is that of -A * r. Nothing is ever blocked."""
+    ratio = torch.exp(logp - logp_mu).detach()
+    return -advantages * ratio.clamp(max=is_cap) * logp, torch.zeros_like(logp, dtype=torch.bool)
+
+
+def clipped_surrogate(logp, logp_mu, advantages, ratio_low, ratio_high, dual_clip):
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds,
+    with dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
+        l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)
+    Returns l and the mask of tokens where a clip binds (they get no gradient)."""
+    ratio = torch.exp(logp - logp_mu)
+    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
+    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    clipped = ((advantages > 0) & (ratio > ratio_high)) | \
+              ((advantages < 0) & ((ratio < ratio_low) | (ratio > dual_clip)))
+    return loss, clipped
+
 
 def ppo_clip_loss(logp, logp_mu, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0):
-    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) with DAPO's decoupled
-    clip-higher bounds (arXiv 2503.14476, §3.1) and dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
-        r = pi / mu,   l = max(-A*r, -A*clip(r, 1 - eps_low, 1 + eps_high)),   and if A < 0: l = min(l, -A*c)
-    Returns l and the mask of tokens where a clip binds: they get no gradient."""
-    ratio = torch.exp(logp - logp_mu)
-    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
-    loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
-    clipped = ((advantages > 0) & (ratio > 1 + clip_high)) | \
-              ((advantages < 0) & ((ratio < 1 - clip_low) | (ratio > dual_clip)))
-    return loss, clipped
+    """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high]."""
+    return clipped_surrogate(logp, logp_mu, advantages, 1 - clip_low, 1 + clip_high, dual_clip)
+
+
+def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
+    """DCPO's token-specific ratio bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, with
+    q = mu(a_t). Rare tokens get room to grow; r_high is capped at r_max:
+        r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
+    ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
+    ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
+    return ratio_low, ratio_high
+
+
+def dcpo_loss(logp, logp_mu, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
+    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = mu(a_t), without gradient."""
+    ratio_low, ratio_high = dcpo_bounds(logp_mu.exp().detach(), clip_low, clip_high, r_max)
+    return clipped_surrogate(logp, logp_mu, advantages, ratio_low, ratio_high, dual_clip)
+
+
+def erc_loss(ppo_loss, entropy_pi, entropy_mu, beta_low=0.05, beta_high=0.05):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on top of ppo_clip: with rho = (H_pi + 1e-8) / (H_mu + 1e-8),
+    the full-vocabulary entropies at this position (no gradient flows through rho),
+        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high,   sg(l_ppo_clip) elsewhere.
+    A hard gradient mask, not a penalty: masked tokens still count in the aggregation's denominator.
+    Returns l and the mask of kept tokens."""
+    rho = (entropy_pi + 1e-8) / (entropy_mu + 1e-8)
+    kept = (rho > 1 - beta_low) & (rho < 1 + beta_high)
+    return torch.where(kept, ppo_loss, ppo_loss.detach()), kept
+
+
+def dppo_loss(logp, logp_mu, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi, with the trust-region mask M
+    (no gradient) blocking a token only when it moves *away* from mu past the threshold:
+        M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)
+    p = pi(a_t), q = mu(a_t), D = the divergence between mu(.|s_t) and pi(.|s_t). A token moving back toward
+    mu is never blocked, however large D is. For r <= C the gradient is that of -A * r * M.
+    Returns l and the mask of blocked tokens."""
+    ratio = torch.exp(logp - logp_mu).detach()
+    blocked = ((advantages > 0) & (logp > logp_mu) & (divergence > delta_high)) | \
+              ((advantages < 0) & (logp < logp_mu) & (divergence > delta_low))
+    return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
+
+
+def objective_loss(cfg: Config, logp, anchor: "Rollout", advantages, topk_logp, entropy) -> tuple:
+    """--objective's per-token loss for one micro-batch. `anchor` holds mu's (or pi_old's) log-probs; topk_logp
+    and entropy are pi's at mu's top-K ids and over the vocabulary, when the objective needs them.
+    Returns (l, blocked, diagnostics): blocked = tokens the trust region gave no gradient; diagnostics =
+    per-token values worth logging (DPPO's divergence, ERC's kept mask)."""
+    A = advantages
+    if cfg.objective == "pg":
+        return *pg_loss(logp, anchor.logp_mu, A, cfg.is_cap), {}
+    if cfg.objective == "ppo_clip":
+        return *ppo_clip_loss(logp, anchor.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip), {}
+    if cfg.objective == "dcpo":
+        return *dcpo_loss(logp, anchor.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dcpo_r_max, cfg.dual_clip), {}
+    if cfg.objective == "erc":
+        loss, clipped = ppo_clip_loss(logp, anchor.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        loss, kept = erc_loss(loss, entropy, anchor.entropy_mu, cfg.erc_beta_low, cfg.erc_beta_high)
+        return loss, clipped | ~kept, {"erc/kept": kept.float()}
+    if cfg.objective == "binary_tv":
+        divergence = binary_tv(anchor.logp_mu, logp)
+    elif cfg.objective == "binary_kl":
+        divergence = binary_kl(anchor.logp_mu, logp)
+    elif cfg.objective == "topk_tv":
+        divergence = topk_tv(anchor.topk_logp_mu, topk_logp)
+    else:
+        divergence = topk_kl(anchor.topk_logp_mu, topk_logp)
+    loss, blocked = dppo_loss(logp, anchor.logp_mu, A, divergence, cfg.delta_low, cfg.delta_high, cfg.is_cap)
+    return loss, blocked, {"trust_region/divergence": divergence}
 
 
 # ============================================================================ update
@@ -461,55 +681,93 @@ def ppo_clip_loss(logp, logp_mu, advantages, clip_low=0.2, clip_high=0.28, dual_
 def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     """Per-token weights w with sum(w * l) = the mini-batch's loss (SPEC §6). They are computed over the
     whole mini-batch, so splitting it into micro-batches for memory does not change the update."""
-    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, §3.3): every token of the mini-batch counts the same
+    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token of the mini-batch counts the same
         return mask / mask.sum()
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
         return mask / mask.sum(1, keepdim=True) / mask.shape[0]
     return mask / mask.shape[0]  # seq_sum: mean over completions of each one's token sum (DCPO's OTM)
 
 
-def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    """Backpropagate one mini-batch's loss, one micro-batch at a time (gradients add up), and return
-    sums for the diagnostics. The token weights are the whole mini-batch's (SPEC §6)."""
+class TokenStats:
+    """Running sums and maxima of per-token diagnostics over the completion tokens of one RL step."""
+
+    def __init__(self):
+        self.sum, self.max = defaultdict(float), defaultdict(lambda: -math.inf)
+
+    def add(self, name: str, values: torch.Tensor):
+        self.sum[name] += values.sum().item()
+        self.max[name] = max(self.max[name], values.max().item())
+
+
+@torch.no_grad()
+def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
+    """--recompute_old, the DPPO paper's ablation: anchor the trust region to pi_old, the policy as it is
+    before this step's first update (one no-grad forward pass), instead of to mu as recorded at sampling.
+    The two differ by the sampler's numerics (here: generate's incremental KV-cache pass versus a
+    full teacher-forced one; bf16 on CUDA). mu's top-K ids stay the partition for top-K divergences."""
+    logp, topk_logp, entropy = rollout.logp_mu.clone(), rollout.topk_logp_mu.clone(), rollout.entropy_mu.clone()
+    for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
+        mb = rollout.rows(rows)
+        with autocast(model.device):
+            old = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                  cfg.temperature, topk_ids=mb.topk_ids, with_entropy=True)
+        T = mb.completion_ids.shape[1]
+        logp[rows, :T], topk_logp[rows, :T], entropy[rows, :T] = old
+    return dataclasses.replace(rollout, logp_mu=logp, topk_logp_mu=topk_logp, entropy_mu=entropy)
+
+
+def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg: Config, stats: TokenStats) -> float:
+    """Backpropagate one mini-batch's loss, one micro-batch at a time (gradients add up); return the
+    loss and add the per-token diagnostics to stats. The token weights are the whole mini-batch's (SPEC §6)."""
     weights = token_weights(minibatch.completion_mask, cfg.loss_agg)
-    sums = dict(tokens=0, clipped_pos=0, clipped_neg=0, abs_pi_minus_mu=0.0, max_abs_pi_minus_mu=0.0, loss=0.0)
+    needs_topk, needs_entropy = cfg.objective in ("topk_tv", "topk_kl"), cfg.objective == "erc"
+    total_loss = 0.0
     for rows in torch.arange(len(advantages)).split(cfg.micro_batch_size):
         mb, A = minibatch.rows(rows), advantages[rows, None]
         with autocast(model.device):
-            logp = completion_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                       cfg.temperature)
-        loss, clipped = ppo_clip_loss(logp, mb.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+            logp, topk_logp, entropy = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
+                                                       mb.completion_mask, cfg.temperature,
+                                                       topk_ids=mb.topk_ids if needs_topk else None,
+                                                       with_entropy=needs_entropy)
+        loss, blocked, diagnostics = objective_loss(cfg, logp, mb, A, topk_logp, entropy)
         loss = (loss * weights[rows, : logp.shape[1]]).sum()
         loss.backward()
+        total_loss += loss.item()
         with torch.no_grad():
             m = mb.completion_mask.bool()
-            abs_pi_minus_mu = (logp.exp() - mb.logp_mu.exp()).abs()[m]
-            sums["tokens"] += m.sum().item()
-            sums["clipped_pos"] += (clipped & m & (A > 0)).sum().item()
-            sums["clipped_neg"] += (clipped & m & (A < 0)).sum().item()
-            sums["abs_pi_minus_mu"] += abs_pi_minus_mu.sum().item()
-            sums["max_abs_pi_minus_mu"] = max(sums["max_abs_pi_minus_mu"], abs_pi_minus_mu.max().item())
-            sums["loss"] += loss.item()
-    return sums
+            stats.add("tokens", m.float())
+            stats.add("blocked_pos_adv", (blocked & (A > 0))[m].float())
+            stats.add("blocked_neg_adv", (blocked & (A < 0))[m].float())
+            stats.add("policy/abs_pi_minus_mu", (logp.exp() - mb.logp_mu.exp()).abs()[m])
+            for name, values in diagnostics.items():
+                stats.add(name, values[m])
+    return total_loss
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
     """M optimizer steps on one rollout batch: shuffle its completions, split them into M mini-batches,
     and for each accumulate the gradient, clip its norm, and step. Returns the step's diagnostics."""
     advantages = advantages.to(model.device)
-    grad_norms, sums = [], []
+    if cfg.recompute_old:
+        rollout = recompute_anchor(model, rollout, cfg)
+    losses, grad_norms, stats = [], [], TokenStats()
     for minibatch in torch.randperm(len(advantages)).chunk(cfg.updates_per_step):
         optimizer.zero_grad(set_to_none=True)
-        sums.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg))
+        losses.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats))
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         optimizer.step()
-    tokens = sum(s["tokens"] for s in sums)
-    clipped_pos, clipped_neg = sum(s["clipped_pos"] for s in sums), sum(s["clipped_neg"] for s in sums)
-    return {"loss": np.mean([s["loss"] for s in sums]), "grad_norm": np.mean(grad_norms),
-            "clip/frac": (clipped_pos + clipped_neg) / tokens,
-            "clip/frac_pos_adv": clipped_pos / tokens, "clip/frac_neg_adv": clipped_neg / tokens,
-            "policy/abs_pi_minus_mu_mean": sum(s["abs_pi_minus_mu"] for s in sums) / tokens,
-            "policy/abs_pi_minus_mu_max": max(s["max_abs_pi_minus_mu"] for s in sums)}
+    tokens = stats.sum.pop("tokens")
+    blocked_pos, blocked_neg = stats.sum.pop("blocked_pos_adv"), stats.sum.pop("blocked_neg_adv")
+    metrics = {"loss": np.mean(losses), "grad_norm": np.mean(grad_norms),
+               "trust_region/blocked_frac": (blocked_pos + blocked_neg) / tokens,
+               "trust_region/blocked_frac_pos_adv": blocked_pos / tokens,
+               "trust_region/blocked_frac_neg_adv": blocked_neg / tokens}
+    for name, total in stats.sum.items():
+        if name == "erc/kept":
+            metrics["erc/kept_frac"] = total / tokens
+        else:
+            metrics[f"{name}_mean"], metrics[f"{name}_max"] = total / tokens, stats.max[name]
+    return metrics
 
 
 # ============================================================================ evaluation
@@ -531,13 +789,14 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
 
 # ============================================================================ main
 
-def problem_batches(problems: list[dict], batch_size: int, seed: int):
-    """Endless batches of problems, reshuffled (seeded) at every pass over the set."""
+def problem_batches(n_problems: int, batch_size: int, seed: int):
+    """Endless batches of problem indices, reshuffled (seeded) at every pass over the set. An index is
+    also the prompt's key for DCPO's per-prompt reward history."""
     rng = random.Random(seed)
     while True:
-        order = rng.sample(range(len(problems)), len(problems))
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield [problems[i] for i in order[start : start + batch_size]]
+        order = rng.sample(range(n_problems), n_problems)
+        for start in range(0, n_problems - batch_size + 1, batch_size):
+            yield order[start : start + batch_size]
 
 
 def main(argv=None) -> dict:
@@ -565,18 +824,24 @@ def main(argv=None) -> dict:
         log({"step": step, "eval/accuracy": accuracy})
         return accuracy
 
-    G = cfg.samples_per_prompt
+    G, P = cfg.samples_per_prompt, cfg.prompts_per_step
+    steps = cfg.epochs * (len(train_problems) // P) if cfg.epochs > 0 else cfg.steps
+    reward_history = {}  # --advantage sas: per-prompt reward statistics across visits
     initial_accuracy = accuracy = run_eval(step=0)
-    batches = problem_batches(train_problems, cfg.prompts_per_step, cfg.seed)
-    progress = tqdm(range(1, cfg.steps + 1), desc=cfg.objective, dynamic_ncols=True)
+    batches = problem_batches(len(train_problems), P, cfg.seed)
+    progress = tqdm(range(1, steps + 1), desc=cfg.objective, dynamic_ncols=True)
     for step in progress:
-        problems = next(batches)
+        indices = next(batches)
+        problems = [train_problems[i] for i in indices]
         rollout_started = time.time()
         prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
         rollout = generate_rollout(model, tokenizer, prompts, cfg)
         golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
         rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
-        advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
+        if cfg.advantage == "sas":
+            advantages = sas_advantages(rewards, G, indices, reward_history)
+        else:
+            advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
         update_started = time.time()
         stats = update_policy(model, optimizer, rollout, advantages, cfg)
         mask = rollout.completion_mask
@@ -587,13 +852,14 @@ def main(argv=None) -> dict:
              "completion/length_mean": mask.sum(1).mean().item(),
              "completion/truncated": 1 - torch.isin(rollout.completion_ids, eos_ids).any(1).float().mean().item(),
              "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
+             "advantage/nonzero_frac": (advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
              **stats,
              "time/rollout_s": update_started - rollout_started,
              "time/update_s": time.time() - update_started,
              "time/elapsed_s": time.time() - started})
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 or step == steps:
             accuracy = run_eval(step)
-        progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", clip=f"{stats['clip/frac']:.3f}")
+        progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}")
 
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,6 +228,226 @@ def test_ppo_clip_loss_and_gradient_on_hand_built_tensors():
     assert torch.equal(clipped, binds)
 
 
+# ---------------------------------------------------------------------------- DPPO divergences
+
+def test_binary_and_topk_divergences_on_hand_built_distributions():
+    log = torch.tensor([0.5, 0.9]).log()
+    q, p = log[0:1], log[1:2]  # mu(a_t) = 0.5, pi(a_t) = 0.9
+    assert torch.allclose(dppo.binary_tv(q, p), torch.tensor([0.4]))
+    # KL(mu || pi) over {a_t, rest}: 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = -0.29389 + 0.80472
+    assert torch.allclose(dppo.binary_kl(q, p), torch.tensor([0.51083]), atol=1e-5)
+    # top-2 with the rest: mu = (0.5, 0.3 | 0.2), pi = (0.4, 0.4 | 0.2)
+    mu, pi = torch.tensor([[0.5, 0.3]]).log(), torch.tensor([[0.4, 0.4]]).log()
+    assert torch.allclose(dppo.topk_tv(mu, pi), torch.tensor([0.1]))  # (0.1 + 0.1 + 0) / 2
+    # 0.5 ln(0.5/0.4) + 0.3 ln(0.3/0.4) + 0.2 ln(1) = 0.111572 - 0.086305
+    assert torch.allclose(dppo.topk_kl(mu, pi), torch.tensor([0.025267]), atol=1e-5)
+
+
+def test_divergences_stay_finite_at_probabilities_0_and_1():
+    certain, impossible, half = torch.tensor([0.0]), torch.tensor([-math.inf]), torch.tensor([math.log(0.5)])
+    for q, p in [(certain, half), (half, certain), (certain, certain), (impossible, half), (half, impossible)]:
+        assert torch.isfinite(dppo.binary_tv(q, p)).all() and torch.isfinite(dppo.binary_kl(q, p)).all()
+    assert dppo.binary_kl(certain, certain).item() == pytest.approx(0.0, abs=1e-9)
+    everything = torch.tensor([[0.0, -math.inf]])  # the top-K set holds all the mass: the rest is empty
+    assert torch.isfinite(dppo.topk_kl(everything, torch.tensor([[math.log(0.7), math.log(0.3)]]))).all()
+    assert torch.isfinite(dppo.topk_tv(everything, everything)).all()
+
+
+def test_binary_kl_keeps_its_digits_near_probability_1():
+    # q = 0.998, p = 0.999: the (1-q) log((1-q)/(1-p)) term dominates. In double precision the KL is
+    # 0.998 ln(0.998/0.999) + 0.002 ln(2) = -0.00099950 + 0.00138629 = 0.00038679.
+    q, p = torch.tensor([math.log(0.998)]), torch.tensor([math.log(0.999)])
+    assert dppo.binary_kl(q, p).item() == pytest.approx(0.00038679, rel=1e-3)
+
+
+def random_distributions(seed, n=200, vocab=12):
+    g = torch.Generator().manual_seed(seed)
+    logits_mu = 2 * torch.randn(n, vocab, generator=g)
+    logits_pi = logits_mu + torch.randn(n, vocab, generator=g)
+    sampled = torch.multinomial(logits_mu.softmax(-1), 1, generator=g).squeeze(-1)
+    return logits_mu, logits_pi, sampled
+
+
+def topk_with_sampled(logits_mu, sampled, k):
+    """mu's top-K ids with the sampled token forced into the K-th slot when outside (the recorder's rule)."""
+    ids = logits_mu.topk(k, dim=-1).indices
+    outside = ~(ids == sampled[:, None]).any(-1)
+    ids[outside, -1] = sampled[outside]
+    return ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_binary_le_topk_le_full_vocabulary(seed):
+    logits_mu, logits_pi, sampled = random_distributions(seed)
+    logp_mu, logp_pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
+    q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
+    ids = topk_with_sampled(logits_mu, sampled, k=4)
+    for binary, topk, full in [(dppo.binary_tv, dppo.topk_tv, dppo.full_tv), (dppo.binary_kl, dppo.topk_kl, dppo.full_kl)]:
+        b, t, f = binary(q, p), topk(logp_mu.gather(-1, ids), logp_pi.gather(-1, ids)), full(logits_mu, logits_pi)
+        assert (b <= t + 1e-6).all() and (t <= f + 1e-6).all()
+        assert (t < f - 1e-3).any() and (b < t - 1e-3).any()  # strict somewhere: the bounds are not all ties
+
+
+def test_divergences_are_exact_when_the_partition_is():
+    logits_mu, logits_pi, sampled = random_distributions(seed=3, vocab=6)
+    logp_mu, logp_pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
+    q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
+    exact = topk_with_sampled(logits_mu, sampled, k=5)  # 5 of 6 tokens: 'the rest' is the sixth token alone
+    one = sampled[:, None]  # K = 1: the top-K partition is the binary one
+    for binary, topk, full in [(dppo.binary_tv, dppo.topk_tv, dppo.full_tv), (dppo.binary_kl, dppo.topk_kl, dppo.full_kl)]:
+        assert torch.allclose(topk(logp_mu.gather(-1, exact), logp_pi.gather(-1, exact)), full(logits_mu, logits_pi), atol=1e-5)
+        assert torch.allclose(topk(logp_mu.gather(-1, one), logp_pi.gather(-1, one)), binary(q, p), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- objectives
+
+def test_dppo_mask_rows_thresholds_and_gradient():
+    # (A, r, D, blocked): delta_low = delta_high = 0.15 here; q = 0.4 for every token
+    rows = [(+1.0, 1.5, 0.16, True),    # A > 0, p rises past the threshold: blocked
+            (+1.0, 1.5, 0.15, False),   # D exactly at delta: not blocked (M = 0 only if D > delta)
+            (+1.0, 0.5, 99.0, False),   # A > 0, p falls: moving back toward mu, never blocked
+            (-1.0, 0.5, 0.16, True),    # A < 0, p falls past the threshold: blocked
+            (-1.0, 0.5, 0.15, False),
+            (-1.0, 1.5, 99.0, False),   # A < 0, p rises: moving back toward mu, never blocked
+            (0.0, 1.5, 99.0, False)]    # A = 0: nothing to block, nothing to learn
+    A, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
+    logp_mu = torch.full_like(r, math.log(0.4))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, mask = dppo.dppo_loss(logp, logp_mu, A, D, delta_low=0.15, delta_high=0.15)
+    loss.sum().backward()
+    assert torch.equal(mask, blocked)
+    # d l / d log pi = -A * r * M
+    assert torch.allclose(logp.grad, torch.tensor([0.0, -1.5, -0.5, 0.0, 0.5, 1.5, 0.0]))
+
+
+def test_dppo_separate_thresholds_and_the_importance_weight_cap():
+    A, r, D = torch.tensor([1.0, -1.0]), torch.tensor([3.0, 0.5]), torch.tensor([0.1, 0.1])
+    logp_mu = torch.full_like(r, math.log(0.2))
+    _, blocked = dppo.dppo_loss(logp_mu + r.log(), logp_mu, A, D, delta_low=0.05, delta_high=0.2)
+    assert blocked.tolist() == [False, True]
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, _ = dppo.dppo_loss(logp, logp_mu, A, D, delta_low=1.0, delta_high=1.0, is_cap=2.0)
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([-2.0, 0.5]))  # -A * min(r, C)
+
+
+def objective_inputs(q, p, other_mu=0.05, other_pi=0.05):
+    """One token per entry with mu(a_t) = q, pi(a_t) = p, and a second top-K token of probability
+    other_mu under mu and other_pi under pi (so the top-2 sets below are valid distributions)."""
+    q, p = torch.tensor(q), torch.tensor(p)
+    topk_mu = torch.stack([q, torch.full_like(q, other_mu)], -1).log()
+    topk_pi = torch.stack([p, torch.full_like(p, other_pi)], -1).log()
+    anchor = SimpleNamespace(logp_mu=q.log(), topk_logp_mu=topk_mu, entropy_mu=torch.ones_like(q))
+    return p.log().requires_grad_(), anchor, topk_pi
+
+
+@pytest.mark.parametrize("objective", ["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
+def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
+    # q = 0.5 everywhere. Big moves (p = 0.9 or 0.1): binary TV 0.4, binary KL 0.51 / 0.51, top-2 TV 0.4,
+    # top-2 KL 0.69 / 0.52, all past both defaults (0.15 TV, 0.05 KL). A small move (p = 0.52) is inside
+    # every region (TV 0.02, KL 0.0008).
+    A = torch.tensor([+1.0, +1.0, -1.0, -1.0, +1.0, -1.0, 0.0])
+    p = [0.9, 0.1, 0.1, 0.9, 0.52, 0.48, 0.9]
+    expected = [True, False, True, False, False, False, False]
+    logp, anchor, topk_pi = objective_inputs([0.5] * 7, p)
+    cfg = dppo.parse_config(["--objective", objective])  # with the objective's own default thresholds
+    loss, blocked, diagnostics = dppo.objective_loss(cfg, logp, anchor, A, topk_pi, None)
+    assert blocked.tolist() == expected
+    loss.sum().backward()
+    r = torch.tensor(p) / 0.5
+    assert torch.allclose(logp.grad, -A * r * ~torch.tensor(expected))
+    assert (diagnostics["trust_region/divergence"][:4] > cfg.delta_high).all()
+    assert cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
+
+
+def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
+    A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
+    logp_mu = torch.full_like(r, math.log(0.01))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, blocked = dppo.pg_loss(logp, logp_mu, A)
+    loss.sum().backward()
+    assert not blocked.any()
+    assert torch.allclose(logp.grad, torch.tensor([-0.2, 5.0, -60.0, 0.5]))
+
+
+@pytest.mark.parametrize("q, low, high", [(0.9, 0.667, 1.249), (0.5, 0.500, 1.400), (0.1, 0.500, 2.246),
+                                          (0.01, 0.500, 5.815), (0.003, 0.500, 10.0), (0.0001, 0.500, 10.0)])
+def test_dcpo_bounds_match_the_worked_values(q, low, high):
+    ratio_low, ratio_high = dppo.dcpo_bounds(torch.tensor(q), eps_low=0.2, eps_high=0.28, r_max=10.0)
+    assert ratio_low.item() == pytest.approx(low, abs=5e-4) and ratio_high.item() == pytest.approx(high, abs=5e-4)
+
+
+def test_dcpo_clips_by_token_probability():
+    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]. PPO's [0.8, 1.28] would clip the first and third tokens; DCPO does not.
+    A, r = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]), torch.tensor([2.0, 2.5, 0.6, 0.4, 12.0])
+    logp_mu = torch.full_like(r, math.log(0.1))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, clipped = dppo.dcpo_loss(logp, logp_mu, A, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0)
+    loss.sum().backward()
+    assert clipped.tolist() == [False, True, False, True, True]
+    assert torch.allclose(logp.grad, torch.tensor([-2.0, 0.0, 0.6, 0.0, 0.0]))
+    assert torch.allclose(loss, torch.tensor([-2.0, -2.24643, 0.6, 0.5, 10.0]), atol=1e-4)
+
+
+def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_the_mean():
+    A = torch.tensor([[1.0, 1.0, 1.0]])
+    logp_mu = torch.full((1, 3), math.log(0.5))
+    logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
+    ppo, _ = dppo.ppo_clip_loss(logp, logp_mu, A)
+    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05)
+    loss, kept = dppo.erc_loss(ppo, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_mu=torch.ones(1, 3))
+    assert kept.tolist() == [[True, False, True]]
+    mean = (loss * dppo.token_weights(torch.ones(1, 3), "token_mean")).sum()
+    mean.backward()
+    r = torch.tensor([1.0, math.exp(0.1), math.exp(-0.1)])
+    assert mean.item() == pytest.approx(-r.sum().item() / 3, rel=1e-6)  # the masked token still counts
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0 / 3, 0.0, -r[2].item() / 3]]))  # denominator 3, not 2
+
+
+# ---------------------------------------------------------------------------- DCPO's smooth advantages
+
+def test_sas_first_visit_is_grpo():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    history = {}
+    sas = dppo.sas_advantages(rewards, 4, prompt_keys=[7, 3], history=history)
+    assert torch.allclose(sas, dppo.grpo_advantages(rewards, 4), atol=1e-5)
+    assert set(history) == {7, 3} and history[7][0] == 1
+
+
+def test_sas_on_a_hand_worked_sequence_of_visits():
+    history = {}
+    # visit 1: R = (1, 0, 0, 0): mean 0.25, std 0.5 -> (1.5, -0.5, -0.5, -0.5)
+    a1 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0]), 4, [0], history)
+    assert torch.allclose(a1, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    # visit 2: R = (1, 1, 0, 0): mean_new 0.5, std_new sqrt(1/3); mean_tot 0.375,
+    # var_tot = (0.25 + 1/3 + (1/2) 0.25^2) / 2 = 0.307292, std_tot 0.554339.
+    # A_new = +-0.866025, A_tot = 1.127469 / -0.676481; at i = 2 both mixtures are their average.
+    a2 = dppo.sas_advantages(torch.tensor([1.0, 1, 0, 0]), 4, [0], history)
+    assert torch.allclose(a2, torch.tensor([0.996747, 0.996747, -0.771253, -0.771253]), atol=1e-5)
+    # visit 3 with all-equal rewards (0, 0, 0, 0): A_new = 0; mean_tot 0.25,
+    # var_tot = (2 * 0.307292 + 0 + (2/3) 0.375^2) / 3 = 0.236111, A_tot = -0.25 / 0.485913 = -0.514496.
+    # SA_new = (1/3) A_tot = -0.171499 beats SA_tot = (2/3) A_tot: no dead zone.
+    a3 = dppo.sas_advantages(torch.tensor([0.0, 0, 0, 0]), 4, [0], history)
+    assert torch.allclose(a3, torch.full((4,), -0.171499), atol=1e-5)
+    assert history[0][0] == 3 and history[0][1] == pytest.approx(0.25)
+
+
+def test_sas_takes_the_smaller_magnitude_per_completion():
+    history = {}
+    for rewards in ([1.0, 0, 0, 0], [1.0, 1, 0, 0]):
+        dppo.sas_advantages(torch.tensor(rewards), 4, ["x"], history)
+    # visit 3, R = (1, 0, 0, 0): A_new = (1.5, -0.5), A_tot = (1.234427, -0.617213) (mean_tot 1/3, std_tot 0.540062)
+    # SA_new = (1.411476, -0.539071), SA_tot = (1.322951, -0.578142): SA_tot wins for R = 1, SA_new for R = 0.
+    a3 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0]), 4, ["x"], history)
+    assert torch.allclose(a3, torch.tensor([1.322951, -0.539071, -0.539071, -0.539071]), atol=1e-5)
+
+
+def test_epochs_revisit_every_prompt():
+    batches = dppo.problem_batches(n_problems=8, batch_size=4, seed=0)
+    seen = [i for _ in range(4) for i in next(batches)]  # 2 epochs of 2 steps
+    assert sorted(seen) == sorted(list(range(8)) * 2)
+
+
 # ---------------------------------------------------------------------------- aggregation and micro-batching
 
 def test_token_weights_by_hand():
@@ -238,35 +459,59 @@ def test_token_weights_by_hand():
 
 
 def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
-    """8 completions of different lengths after left-padded prompts of different lengths."""
+    """8 completions of different lengths after left-padded prompts of different lengths, with a
+    made-up mu near uniform, so that some ratios leave every trust region."""
     g = torch.Generator().manual_seed(seed)
     B, Lp, T, K = 8, 5, 6, 3
     prompt_mask = (torch.arange(Lp) >= torch.tensor([0, 2, 1, 3, 0, 4, 2, 1])[:, None]).long()
     completion_mask = (torch.arange(T) < torch.tensor([6, 3, 1, 5, 2, 6, 4, 3])[:, None]).float()
+    completion_ids = torch.randint(2, vocab_size, (B, T), generator=g)
+    topk_ids = torch.randint(2, vocab_size, (B, T, K), generator=g)
+    topk_ids[..., -1] = completion_ids
+    logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g)
     rollout = dppo.Rollout(
         prompt_ids=torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask,
-        prompt_mask=prompt_mask,
-        completion_ids=torch.randint(2, vocab_size, (B, T), generator=g),
-        completion_mask=completion_mask,
-        logp_mu=-math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g),  # some ratios leave the clip range
-        topk_ids=torch.zeros(B, T, K, dtype=torch.long), topk_logp_mu=torch.zeros(B, T, K),
-        entropy_mu=torch.zeros(B, T), texts=[""] * B)
+        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, logp_mu=logp_mu,
+        topk_ids=topk_ids, topk_logp_mu=-math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g),
+        entropy_mu=math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g), texts=[""] * B)
     return rollout, torch.randn(B, generator=g)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_sum"])
-def test_gradient_is_the_same_for_1_or_4_micro_batches(tiny_policy, loss_agg):
+def gradient(model, rollout, advantages, cfg) -> tuple[torch.Tensor, dppo.TokenStats]:
+    model.zero_grad()
+    stats = dppo.TokenStats()
+    dppo.accumulate_gradient(model, rollout, advantages, cfg, stats)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    return flat, stats
+
+
+@pytest.mark.parametrize("objective, loss_agg", [("ppo_clip", "token_mean"), ("ppo_clip", "seq_mean_token_mean"),
+                                                 ("ppo_clip", "seq_sum"), *((o, "token_mean") for o in dppo.OBJECTIVES[2:])])
+def test_gradient_is_the_same_for_1_or_4_micro_batches(tiny_policy, objective, loss_agg):
     model = tiny_policy[0]
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
-    gradients = []
-    for micro_batch_size in (8, 2):
-        model.zero_grad()
-        sums = dppo.accumulate_gradient(model, rollout, advantages, config(loss_agg=loss_agg, micro_batch_size=micro_batch_size))
-        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert sums["tokens"] == 30 and sums["clipped_pos"] + sums["clipped_neg"] > 0
-    assert gradients[0].abs().max() > 1e-4
-    assert torch.allclose(gradients[0], gradients[1], atol=1e-6, rtol=1e-4)
-    model.zero_grad()
+    # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
+    cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
+    whole, stats = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
+    split, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=2))
+    assert stats.sum["tokens"] == 30 and stats.sum["blocked_pos_adv"] + stats.sum["blocked_neg_adv"] > 0
+    assert whole.abs().max() > 1e-4
+    assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4)
+
+
+def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
+    model = tiny_policy[0]
+    rollout, _ = hand_built_rollout(model.config.vocab_size)
+    anchored = dppo.recompute_anchor(model, rollout, config(micro_batch_size=3))
+    full = teacher_forced_logp(model, rollout, temperature=1.0)
+    m = rollout.completion_mask.bool()
+    expected = full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+    assert torch.allclose(anchored.logp_mu[m], expected[m], atol=1e-5)
+    assert torch.allclose(anchored.topk_logp_mu[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
+    entropy = -(full.exp() * full).sum(-1)
+    assert torch.allclose(anchored.entropy_mu[m], entropy[m], atol=1e-4)
+    assert not torch.allclose(rollout.logp_mu[m], anchored.logp_mu[m])  # the made-up mu is gone
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -296,13 +541,40 @@ def test_two_training_steps_on_a_checkpoint_loaded_by_path(demo_cache, tmp_path)
     assert [r["step"] for r in evals] == [0, 1, 2] and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
     assert [r["step"] for r in steps] == [1, 2]
     expected = {"reward/mean", "reward/zero_spread_groups", "completion/length_mean", "completion/truncated",
-                "policy/entropy_mu", "loss", "grad_norm", "clip/frac", "clip/frac_pos_adv", "clip/frac_neg_adv",
+                "policy/entropy_mu", "advantage/nonzero_frac", "loss", "grad_norm", "trust_region/blocked_frac",
+                "trust_region/blocked_frac_pos_adv", "trust_region/blocked_frac_neg_adv",
                 "policy/abs_pi_minus_mu_mean", "policy/abs_pi_minus_mu_max", "time/rollout_s", "time/update_s"}
     assert expected <= set(steps[0]) and all(math.isfinite(v) for v in steps[0].values())
     assert any(r["reward/mean"] > 0 for r in steps)
     before = Qwen2ForCausalLM.from_pretrained(checkpoint).state_dict()
     after = Qwen2ForCausalLM.from_pretrained(out).state_dict()
     assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def step_records(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.mark.parametrize("objective, extra_flags", [*((o, []) for o in dppo.OBJECTIVES), ("topk_tv", ["--recompute_old"])])
+def test_every_objective_trains_the_demo_without_nans(demo_cache, tmp_path, objective, extra_flags):
+    dppo.main(["--cache_dir", demo_cache, "--objective", objective, "--steps", "3", "--prompts_per_step", "8",
+               "--eval_n", "20", "--eval_every", "3", "--output_dir", str(tmp_path), *extra_flags])
+    steps = step_records(tmp_path)
+    assert len(steps) == 3 and all(math.isfinite(value) for record in steps for value in record.values())
+    assert all(record["grad_norm"] > 0 for record in steps)
+    if objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        assert steps[-1]["trust_region/divergence_max"] > 0
+    if objective == "erc":
+        assert 0 < steps[-1]["erc/kept_frac"] <= 1
+
+
+def test_dcpo_with_two_epochs_revisits_every_prompt(demo_cache, tmp_path):
+    problems = dppo.arithmetic_problems()["test"][:24]  # 16 to train on, the last 8 held out
+    dataset = tmp_path / "problems.jsonl"
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    dppo.main(["--cache_dir", demo_cache, "--objective", "dcpo", "--dataset", str(dataset), "--eval_n", "8",
+               "--epochs", "2", "--prompts_per_step", "8", "--output_dir", str(tmp_path / "run")])
+    assert len(step_records(tmp_path / "run")) == 4  # 2 epochs x 16 prompts / 8 per step
 
 
 def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache):
@@ -333,8 +605,20 @@ def test_demo_defaults_apply_only_without_a_model_and_never_over_a_typed_flag():
     assert dppo.parse_config(["--learning_rate", "3e-4"]).learning_rate == 3e-4
     assert dppo.parse_config(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).dataset == "gsm8k"
     assert dppo.parse_config(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).learning_rate == 1e-6
+    assert dppo.parse_config(["--recompute_old"]).recompute_old and not dppo.parse_config([]).recompute_old
     with pytest.raises(SystemExit):
         dppo.parse_config(["--objective", "no_such_objective"])
+
+
+def test_objective_defaults_give_way_to_typed_flags():
+    dcpo = dppo.parse_config(["--objective", "dcpo"])
+    assert (dcpo.advantage, dcpo.loss_agg) == ("sas", "seq_sum")
+    assert dppo.parse_config(["--objective", "dcpo", "--loss_agg", "token_mean"]).loss_agg == "token_mean"
+    assert (dppo.parse_config([]).advantage, dppo.parse_config([]).loss_agg) == ("grpo", "token_mean")
+    assert dppo.parse_config(["--objective", "topk_kl"]).delta_low == 0.05
+    assert dppo.parse_config(["--objective", "topk_tv"]).delta_low == 0.15
+    assert dppo.parse_config(["--objective", "binary_kl", "--delta_high", "0.1"]).delta_high == 0.1
+    assert dppo.parse_config([]).is_cap == math.inf and dppo.parse_config(["--is_cap", "5"]).is_cap == 5.0
 
 
 def test_help_exits_zero():
