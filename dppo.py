@@ -809,7 +809,9 @@ def main(argv=None) -> dict:
 
     train_problems, held_out = load_problems(cfg)
     held_out = held_out[: cfg.eval_n]
-    model, tokenizer = load_policy(cfg.model or build_tiny_model(cfg.cache_dir), device)
+    with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
+        checkpoint = cfg.model or build_tiny_model(cfg.cache_dir)
+    model, tokenizer = load_policy(checkpoint, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

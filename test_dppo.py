@@ -258,6 +258,11 @@ def test_binary_kl_keeps_its_digits_near_probability_1():
     # 0.998 ln(0.998/0.999) + 0.002 ln(2) = -0.00099950 + 0.00138629 = 0.00038679.
     q, p = torch.tensor([math.log(0.998)]), torch.tensor([math.log(0.999)])
     assert dppo.binary_kl(q, p).item() == pytest.approx(0.00038679, rel=1e-3)
+    # log q = -1e-6, log p = -2e-6 (fp32): 1 - q = 9.999995e-7, 1 - p = 1.999998e-6, so
+    # KL = q (log q - log p) + (1-q) log((1-q)/(1-p)) = 9.99999e-7 - 6.931468e-7 = 3.068527e-7.
+    # Computing 1 - exp(log p) directly in fp32 gets 2.98e-7: the rest's mass must come from expm1.
+    q, p = torch.tensor([-1e-6]), torch.tensor([-2e-6])
+    assert dppo.binary_kl(q, p).item() == pytest.approx(3.068527e-7, rel=1e-4)
 
 
 def random_distributions(seed, n=200, vocab=12):
