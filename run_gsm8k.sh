@@ -57,7 +57,10 @@ for split, rows in (("train", problems["train"][:200]), ("test", problems["test"
         f.writelines(json.dumps(row) + "\n" for row in rows)
 EOF
   if ((!model_given)); then
-    model=$(python -c "import dppo; print(dppo.build_tiny_model(dppo.Config.cache_dir))")
+    model=$(python -c "import contextlib, sys, dppo
+with contextlib.redirect_stdout(sys.stderr):  # build progress to the terminal, only the path to \$model
+    path = dppo.build_tiny_model(dppo.Config.cache_dir)
+print(path)")
   fi
   extra=(--prompts_per_step 8 --samples_per_prompt 4 --max_new_tokens 16 --updates_per_step 2 --micro_batch_size 32
          --learning_rate 1e-4 --eval_batch_size 50 "${extra[@]}")

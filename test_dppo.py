@@ -893,8 +893,11 @@ def test_a_missing_local_dataset_path_is_an_error_not_a_hub_name(tmp_path):
 # ---------------------------------------------------------------------------- run_gsm8k.sh
 
 def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
-    result = subprocess.run(["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--model", dppo.build_tiny_model(demo_cache),
-                             "--out", str(tmp_path)], capture_output=True, text=True)
+    # As a user runs it: no --model, so the built-in model from ~/.cache/dppo, here the session's one.
+    (tmp_path / "home" / ".cache").mkdir(parents=True)
+    (tmp_path / "home" / ".cache" / "dppo").symlink_to(demo_cache)
+    result = subprocess.run(["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                            text=True, env={**os.environ, "HOME": str(tmp_path / "home")})
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "results.md").read_text().splitlines()
     rows = [line for line in table if line.startswith("| `")]
