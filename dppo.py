@@ -17,7 +17,8 @@ One training step (read the file top to bottom, in this order):
        loss of --objective: a policy gradient with no trust region (pg), PPO's ratio clip (ppo_clip),
        DCPO's probability-dependent clip (dcpo), ERC's entropy-ratio mask on top of ppo_clip (erc), or
        DPPO's divergence mask (binary_tv, binary_kl, topk_tv, topk_kl). Only the first update is
-       on-policy; every trust region acts on updates 2..M.
+       on-policy; every trust region acts on updates 2..M. The training forward pass computes the
+       output layer a chunk of positions at a time, so no B x T x V logits tensor exists here either.
 
 Marks like (SPEC §5) point to the sections of the method specification this file is written against;
 every formula also names the paper it comes from.
@@ -52,6 +53,7 @@ from pathlib import Path
 import huggingface_hub
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from tqdm import tqdm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -297,6 +299,9 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+LOGITS_CHUNK = 512  # completion positions whose full-vocabulary logits exist at once in a training forward pass
+
+
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                     topk_ids=None, with_entropy=False):
     """One teacher-forced forward pass of pi over prompt + completion. Returns, for the T completion tokens:
@@ -305,25 +310,41 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
       entropy    (B, T)     full-vocabulary entropy of pi(. | s_t), without gradient, if with_entropy.
 
     Prompts are left-padded and completions right-padded, so the T completion tokens sit in the last T
-    columns and are predicted by the logits of the T columns before them: we ask the model for those
-    T+1 logits only (logits_to_keep), never for the prompt's. Position ids are passed explicitly, counted
-    from each row's first real token, as generate() counted them. log pi = logit - logsumexp(logits),
-    so no full-vocabulary log-softmax is kept; the entropy is computed a chunk of positions at a time."""
+    columns and are predicted from the hidden states of the T columns before them. Position ids are
+    passed explicitly, counted from each row's first real token, as generate() counted them. The
+    transformer body runs once; the output layer then runs on LOGITS_CHUNK positions at a time, under
+    activation checkpointing, so no B x T x V logits tensor ever exists: each chunk's logits are dropped
+    after use and recomputed in the backward pass. (This takes logits = lm_head(last hidden state), as in
+    the Llama, Qwen and Mistral families; a model that rescales its logits would need that step too.)"""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    T = completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=T + 1).logits[:, :-1]
-    logits = logits.float() / temperature
+    (B, T), K = completion_ids.shape, topk_ids.shape[-1] if topk_ids is not None else 0
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids).last_hidden_state
+    hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)
+    topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
+    lm_head = model.get_output_embeddings()
+    chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, lm_head, hidden[i : i + LOGITS_CHUNK],
+                                                targets[i : i + LOGITS_CHUNK], temperature,
+                                                topk_ids[i : i + LOGITS_CHUNK] if topk_ids is not None else None,
+                                                with_entropy, use_reentrant=False)
+              for i in range(0, B * T, LOGITS_CHUNK)]
+    logp = torch.cat([chunk[0] for chunk in chunks]).view(B, T)
+    topk_logp = torch.cat([chunk[1] for chunk in chunks]).view(B, T, K) if topk_ids is not None else None
+    entropy = torch.cat([chunk[2] for chunk in chunks]).view(B, T) if with_entropy else None
+    return logp, topk_logp, entropy
+
+
+def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy):
+    """For N positions' hidden states (N, H): log pi of their targets (N,), and, without gradient, log pi
+    at topk_ids (N, K) and the entropy (N,). log pi = logit/T - logsumexp(logits/T), in fp32."""
+    logits = lm_head(hidden).float() / temperature
     log_normaliser = logits.logsumexp(-1, keepdim=True)
-    logp = (logits.gather(-1, completion_ids.unsqueeze(-1)) - log_normaliser).squeeze(-1)
-    topk_logp = entropy = None
+    logp = (logits.gather(-1, targets[:, None]) - log_normaliser).squeeze(-1)
     with torch.no_grad():
-        if topk_ids is not None:
-            topk_logp = logits.gather(-1, topk_ids) - log_normaliser
-        if with_entropy:
-            entropy = torch.cat([entropy_from_logp(chunk.log_softmax(-1)) for chunk in logits.split(64, dim=1)], dim=1)
+        topk_logp = logits.gather(-1, topk_ids) - log_normaliser if topk_ids is not None else None
+        entropy = entropy_from_logp(logits - log_normaliser) if with_entropy else None
     return logp, topk_logp, entropy
 
 
@@ -830,6 +851,29 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
 
 # ============================================================================ main
 
+def reset_peak_memory(device: torch.device):
+    """Start measuring one phase's peak memory: the CUDA allocator's peak, or on Linux the process's
+    peak resident set size (writing 5 to /proc/self/clear_refs resets it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The phase's peak memory in MiB: tensors allocated on the GPU; on a CPU, the whole process's peak
+    RSS as Linux's /proc reports it (NaN on systems without /proc)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return math.nan
+
+
 def problem_batches(n_problems: int, batch_size: int, seed: int):
     """Endless batches of problem indices, reshuffled (seeded) at every pass over the set. An index is
     also the prompt's key for DCPO's per-prompt reward history."""
@@ -877,6 +921,7 @@ def main(argv=None) -> dict:
         indices = next(batches)
         problems = [train_problems[i] for i in indices]
         rollout_started = time.time()
+        reset_peak_memory(device)
         prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
         rollout = generate_rollout(model, tokenizer, prompts, cfg)
         golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
@@ -885,9 +930,12 @@ def main(argv=None) -> dict:
             advantages = sas_advantages(rewards, G, indices, reward_history)
         else:
             advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
-        update_started = time.time()
+        rollout_peak_mb, update_started = peak_memory_mb(device), time.time()
+        reset_peak_memory(device)
         stats = update_policy(model, optimizer, rollout, advantages, cfg)
+        update_peak_mb, update_s, rollout_s = peak_memory_mb(device), time.time() - update_started, update_started - rollout_started
         mask = rollout.completion_mask
+        completion_tokens = mask.sum().item()  # generated once, then trained on once (each is in one mini-batch)
         eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
         log({"step": step,
              "reward/mean": rewards.mean().item(),
@@ -898,12 +946,17 @@ def main(argv=None) -> dict:
              "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
              "advantage/nonzero_frac": (advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
              **stats,
-             "time/rollout_s": update_started - rollout_started,
-             "time/update_s": time.time() - update_started,
-             "time/elapsed_s": time.time() - started})
+             "time/rollout_s": rollout_s,
+             "time/update_s": update_s,
+             "time/elapsed_s": time.time() - started,
+             "throughput/generated_tokens_per_s": completion_tokens / rollout_s,
+             "throughput/trained_tokens_per_s": completion_tokens / update_s,
+             "memory/rollout_peak_mb": rollout_peak_mb,
+             "memory/update_peak_mb": update_peak_mb})
         if step % cfg.eval_every == 0 or step == steps:
             accuracy = run_eval(step)
-        progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}")
+        progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}",
+                             gen_tok_s=f"{completion_tokens / rollout_s:.0f}", train_tok_s=f"{completion_tokens / update_s:.0f}")
 
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

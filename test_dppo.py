@@ -172,6 +172,37 @@ def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy,
     assert (rollout.entropy_mu - entropy)[m].abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])  # one position, chunks that split rows, everything at once
+def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeypatch, chunk):
+    model, _ = tiny_policy
+    rollout = sample(tiny_policy, temperature=0.8, topk=4)
+    monkeypatch.setattr(dppo, "LOGITS_CHUNK", chunk)
+    weights = torch.rand(rollout.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+
+    def run(logprobs_fn):
+        model.zero_grad()
+        logp, topk_logp, entropy = logprobs_fn()
+        (logp * weights).sum().backward()
+        return logp.detach(), topk_logp, entropy, [p.grad.clone() for p in model.parameters()]
+
+    chunked = run(lambda: dppo.policy_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                               rollout.completion_mask, 0.8, topk_ids=rollout.topk_ids, with_entropy=True))
+
+    def full():  # the plain way: every logit of every completion position at once
+        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+        attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).logits
+        logp_all = torch.log_softmax(logits[:, -rollout.completion_ids.shape[1] - 1 : -1].float() / 0.8, -1)
+        return (logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1), logp_all.gather(-1, rollout.topk_ids),
+                -(logp_all.exp() * logp_all).sum(-1))
+
+    plain = run(full)
+    for a, b in zip(chunked[:3], plain[:3]):
+        assert torch.allclose(a, b.detach(), atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(chunked[3], plain[3]))
+
+
 def test_sampled_token_is_always_in_the_recorded_topk(tiny_policy):
     # A hot temperature over a random model: the sampled token usually ranks far below K = 3.
     rollout = sample(tiny_policy, temperature=3.0, topk=3, n=12)
@@ -550,8 +581,11 @@ def test_two_training_steps_on_a_checkpoint_loaded_by_path(demo_cache, tmp_path)
     expected = {"reward/mean", "reward/zero_spread_groups", "completion/length_mean", "completion/truncated",
                 "policy/entropy_mu", "advantage/nonzero_frac", "loss", "grad_norm", "trust_region/blocked_frac",
                 "trust_region/blocked_frac_pos_adv", "trust_region/blocked_frac_neg_adv",
-                "policy/abs_pi_minus_mu_mean", "policy/abs_pi_minus_mu_max", "time/rollout_s", "time/update_s"}
+                "policy/abs_pi_minus_mu_mean", "policy/abs_pi_minus_mu_max", "time/rollout_s", "time/update_s",
+                "throughput/generated_tokens_per_s", "throughput/trained_tokens_per_s", "memory/rollout_peak_mb",
+                "memory/update_peak_mb"}
     assert expected <= set(steps[0]) and all(math.isfinite(v) for v in steps[0].values())
+    assert all(r["throughput/generated_tokens_per_s"] > 0 and r["memory/update_peak_mb"] > 0 for r in steps)
     assert any(r["reward/mean"] > 0 for r in steps)
     before = Qwen2ForCausalLM.from_pretrained(checkpoint).state_dict()
     after = Qwen2ForCausalLM.from_pretrained(out).state_dict()
