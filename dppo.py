@@ -930,10 +930,11 @@ def main(argv=None) -> dict:
             advantages = sas_advantages(rewards, G, indices, reward_history)
         else:
             advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
-        rollout_peak_mb, update_started = peak_memory_mb(device), time.time()
+        rollout_s, rollout_peak_mb = time.time() - rollout_started, peak_memory_mb(device)
+        update_started = time.time()
         reset_peak_memory(device)
         stats = update_policy(model, optimizer, rollout, advantages, cfg)
-        update_peak_mb, update_s, rollout_s = peak_memory_mb(device), time.time() - update_started, update_started - rollout_started
+        update_s, update_peak_mb = time.time() - update_started, peak_memory_mb(device)
         mask = rollout.completion_mask
         completion_tokens = mask.sum().item()  # generated once, then trained on once (each is in one mini-batch)
         eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
