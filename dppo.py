@@ -299,7 +299,7 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-LOGITS_CHUNK = 512  # completion positions whose full-vocabulary logits exist at once in a training forward pass
+LOGITS_CHUNK = 256  # completion positions whose full-vocabulary logits exist at once in a training forward pass
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -340,18 +340,19 @@ def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy
     """For N positions' hidden states (N, H): log pi of their targets (N,), and, without gradient, log pi
     at topk_ids (N, K) and the entropy (N,). log pi = logit/T - logsumexp(logits/T), in fp32."""
     logits = lm_head(hidden).float() / temperature
-    log_normaliser = logits.logsumexp(-1, keepdim=True)
-    logp = (logits.gather(-1, targets[:, None]) - log_normaliser).squeeze(-1)
+    log_normaliser = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
     with torch.no_grad():
-        topk_logp = logits.gather(-1, topk_ids) - log_normaliser if topk_ids is not None else None
-        entropy = entropy_from_logp(logits - log_normaliser) if with_entropy else None
+        topk_logp = logits.gather(-1, topk_ids) - log_normaliser[:, None] if topk_ids is not None else None
+        entropy = entropy_from_logits(logits, log_normaliser) if with_entropy else None
     return logp, topk_logp, entropy
 
 
-def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
-    """-sum p log p over the last axis, with 0 log 0 = 0."""
-    p = logp.exp()
-    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
+def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> torch.Tensor:
+    """H = -sum_a p(a) log p(a) = log Z - sum_a p(a) logit(a), with p = exp(logit - log Z), over the last axis
+    of finite logits. The sum is an einsum, which makes no (N, V) product tensor: one exp is the only copy."""
+    p = (logits - log_normaliser[:, None]).exp_()
+    return log_normaliser - torch.einsum("nv,nv->n", p, logits)
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
@@ -437,34 +438,37 @@ class SamplingRecorder(LogitsProcessor):
     generate() runs logits processors on the raw logits, before its own temperature warper, so we
     divide by T here: mu = softmax(logits / T), which is exactly what is sampled with top_k=0, top_p=1.
     The token sampled at step t is only known at step t+1 (it is then the last column of input_ids), so
-    one step's full-vocabulary log-probs are held until then, and no longer."""
+    we keep a reference to step t's raw logits (generate's own tensor, not a copy) and log Z until then.
+    The extra memory is a few (B, V) temporaries for one step, fewer than generate's own sampling makes."""
 
     def __init__(self, temperature: float, k: int):
         self.temperature, self.k = temperature, k
         self.logp_mu, self.topk_ids, self.topk_logp_mu, self.entropy_mu = [], [], [], []
-        self.last_step_logp = None  # (B, V): log mu(.|s_t) of the newest step, until its token is known
+        self.pending = None  # (raw logits (B, V), log Z (B,)) of the newest step, until its token is known
 
     def __call__(self, input_ids, scores):
-        if self.last_step_logp is not None:
+        if self.pending is not None:
             self.record_sampled(input_ids[:, -1])
-        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        top_logp, top_ids = logp.topk(min(self.k, logp.shape[-1]), dim=-1)
+        logits = scores.float() / self.temperature
+        log_normaliser = logits.logsumexp(-1)
+        top_logits, top_ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
         self.topk_ids.append(top_ids)
-        self.topk_logp_mu.append(top_logp)
-        self.entropy_mu.append(entropy_from_logp(logp))
-        self.last_step_logp = logp
+        self.topk_logp_mu.append(top_logits - log_normaliser[:, None])
+        self.entropy_mu.append(entropy_from_logits(logits, log_normaliser))
+        self.pending = (scores, log_normaliser)
         return scores
 
     def record_sampled(self, tokens):
         """log mu of the sampled tokens; a sampled token outside mu's top K takes the K-th slot (the
         evicted token joins the 'other' bucket), as the DPPO authors' code does."""
+        scores, log_normaliser = self.pending
+        logp = scores.gather(-1, tokens[:, None]).squeeze(-1).float() / self.temperature - log_normaliser
         step = len(self.logp_mu)
-        logp = self.last_step_logp.gather(-1, tokens[:, None]).squeeze(-1)
         ids, top_logp = self.topk_ids[step], self.topk_logp_mu[step]
         outside = ~(ids == tokens[:, None]).any(-1)
         ids[outside, -1], top_logp[outside, -1] = tokens[outside], logp[outside]
         self.logp_mu.append(logp)
-        self.last_step_logp = None
+        self.pending = None
 
     def finish(self, completion_ids) -> dict:
         """The recorded tensors, (B, T) or (B, T, K), for the T generated columns."""

@@ -834,6 +834,59 @@ def test_real_vocabulary_checkpoint_trains_by_path(qwen_checkpoint, tmp_path):
     assert (tmp_path / "run" / "chat_template.jinja").exists()  # the saved run is a checkpoint too
 
 
+def rollout_peak_memory_mib(checkpoint: str, batch: int, new_tokens: int) -> dict:
+    """Peak RSS during one sampled rollout, in MiB above the RSS just before it, three ways: plain generate(),
+    dppo's generate_rollout (which records mu's top-K), and generate(output_logits=True), which keeps every
+    step's (B, V) logits as a naive recorder would. Meant for a fresh process started with
+    MALLOC_MMAP_THRESHOLD_ set low: every large tensor is then its own mapping, returned to the system when
+    freed, so RSS follows the live tensors instead of what the allocator keeps cached."""
+    model, tokenizer = dppo.load_policy(checkpoint, torch.device("cpu"))
+    prompts = [dppo.format_prompt(tokenizer, f"What is {i} + {i + 1}?") for i in range(batch)]
+    inputs = dppo.tokenize_prompts(tokenizer, prompts, "cpu")
+
+    def plain(tokens, output_logits=False):
+        return model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
+                              output_logits=output_logits, return_dict_in_generate=True).sequences
+
+    def capture(tokens):
+        rollout = dppo.generate_rollout(model, tokenizer, prompts, config(temperature=1.0, topk=20, max_new_tokens=tokens))
+        return rollout.completion_ids
+
+    peaks = {}
+    for name, run in [("plain", plain), ("capture", capture), ("output_logits", lambda n: plain(n, output_logits=True))]:
+        with torch.no_grad():
+            run(4)  # warm-up: thread pools and other one-time allocations
+            dppo.reset_peak_memory(torch.device("cpu"))
+            before = dppo.peak_memory_mb(torch.device("cpu"))
+            torch.manual_seed(0)
+            generated = run(new_tokens).shape[1] - (0 if name == "capture" else inputs.input_ids.shape[1])
+            peaks[name] = dppo.peak_memory_mb(torch.device("cpu")) - before
+            peaks[f"{name}_steps"] = generated
+    peaks["process_before"] = before
+    return peaks
+
+
+def test_rollout_memory_grows_with_topk_not_with_the_vocabulary(qwen_checkpoint):
+    """At Qwen's 151,936-token vocabulary, recording mu costs a few (B, V) temporaries of one decoding step,
+    whatever T: the rollout's peak stays within a few percent of plain generate(), while keeping the
+    logits (output_logits=True) grows by B x T x V floats."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("peak RSS is read from Linux's /proc")
+    B, T = 16, 48
+    probe = f"import json, test_dppo; print(json.dumps(test_dppo.rollout_peak_memory_mib({str(qwen_checkpoint)!r}, {B}, {T})))"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peaks = json.loads(done.stdout.splitlines()[-1])
+    print(peaks)
+    one_step_logits = B * QWEN_VOCAB_SIZE * 4 / 2**20  # MiB of one (B, V) fp32 tensor
+    assert peaks["plain_steps"] == peaks["capture_steps"] == peaks["output_logits_steps"] == T
+    assert peaks["capture"] <= peaks["plain"] + 3 * one_step_logits
+    before = peaks["process_before"]
+    assert before + peaks["capture"] <= 1.05 * (before + peaks["plain"])
+    assert peaks["output_logits"] >= peaks["plain"] + 0.9 * T * one_step_logits
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary, ChatML template), converted once
