@@ -57,7 +57,7 @@ import torch.utils.checkpoint
 from tqdm import tqdm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor  # noqa: E402
 
 from rewards import extract_answer, extract_gold, reward  # noqa: E402
 
@@ -114,6 +114,8 @@ class Config:
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
+    gradient_checkpointing: bool = setting(False, "keep only each transformer layer's input in the training forward pass "
+                                                  "and recompute the rest in backward: less memory, ~1 more forward of time")
     # --- evaluation ---
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
@@ -273,17 +275,25 @@ def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
 
 # ============================================================================ model
 
-def load_policy(name_or_path: str, device: torch.device):
+def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False):
     """A causal LM and its tokenizer, from the Hub or a local directory, ready for sampling.
 
     The checkpoint's own generation_config.json (Qwen2.5-Instruct ships temperature 0.7, top_p 0.8,
     top_k 20, repetition_penalty 1.1) is replaced by a blank one: generate() fills every sampling
     setting we leave unset from it, and then mu would not be the distribution our flags describe.
-    Only its EOS ids are kept: generation stops on every one of them."""
+    Only its EOS ids are kept: generation stops on every one of them.
+    Dropout is switched off (every dropout probability in the config set to 0): the update runs in train
+    mode, and pi must equal mu there before the first step."""
     if not Path(name_or_path).expanduser().exists():
         require_hub(f"the model {name_or_path}")
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).to(device)
+    config = AutoConfig.from_pretrained(name_or_path)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+            setattr(config, key, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32).to(device)
+    if gradient_checkpointing:  # HF recomputes each decoder layer in backward, in train mode only (update_policy)
+        model.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
     eos = model.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
     if tokenizer.pad_token_id is None:
@@ -814,6 +824,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     """M optimizer steps on one rollout batch: shuffle its completions, split them into M mini-batches,
     and for each accumulate the gradient, clip its norm, and step. Returns the step's diagnostics."""
     advantages = advantages.to(model.device)
+    model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
     if cfg.recompute_old:
         rollout = recompute_anchor(model, rollout, cfg)
     losses, grad_norms, stats = [], [], TokenStats()
@@ -822,6 +833,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         losses.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats))
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         optimizer.step()
+    model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
     tokens = stats.sum.pop("tokens")
     blocked_pos, blocked_neg = stats.sum.pop("blocked_pos_adv"), stats.sum.pop("blocked_neg_adv")
     metrics = {"loss": np.mean(losses), "grad_norm": np.mean(grad_norms),
@@ -900,7 +912,7 @@ def main(argv=None) -> dict:
     held_out = held_out[: cfg.eval_n]
     with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
         checkpoint = cfg.model or build_tiny_model(cfg.cache_dir)
-    model, tokenizer = load_policy(checkpoint, device)
+    model, tokenizer = load_policy(checkpoint, device, cfg.gradient_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

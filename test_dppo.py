@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -552,6 +553,39 @@ def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
     assert not torch.allclose(rollout.logp_mu[m], anchored.logp_mu[m])  # the made-up mu is gone
 
 
+def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, tmp_path):
+    checkpoint = tmp_path / "with-dropout"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    config_file = checkpoint / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "attention_dropout": 0.5}))
+    model, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
+    assert model.config.attention_dropout == 0.0
+    rollout, advantages = hand_built_rollout(model.config.vocab_size)
+    dppo.update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages,
+                       config(updates_per_step=2, micro_batch_size=4))
+    assert not model.training  # back in eval mode for generate()
+    model.train()
+    twice = [dppo.policy_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                  rollout.completion_mask, 1.0)[0] for _ in range(2)]
+    assert torch.equal(*twice)  # with attention_dropout 0.5 left on, these would differ
+
+
+def test_gradient_checkpointing_recomputes_every_layer_and_changes_no_number(tiny_checkpoint):
+    rollout, advantages = hand_built_rollout(vocab_size=300)
+    updated, layer_calls = [], []
+    for checkpointing in (False, True):
+        model, _ = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"), gradient_checkpointing=checkpointing)
+        calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the checkpointed part
+        torch.manual_seed(0)  # the same mini-batch split
+        dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=1e-3), rollout, advantages,
+                           config(objective="topk_tv", updates_per_step=2, micro_batch_size=2))
+        updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        layer_calls.append(len(calls))
+    assert layer_calls == [4, 8]  # 4 micro-batches: with checkpointing, every layer runs again in backward
+    assert torch.allclose(*updated, atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="session")
@@ -596,7 +630,8 @@ def step_records(run_dir) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-@pytest.mark.parametrize("objective, extra_flags", [*((o, []) for o in dppo.OBJECTIVES), ("topk_tv", ["--recompute_old"])])
+@pytest.mark.parametrize("objective, extra_flags", [*((o, []) for o in dppo.OBJECTIVES), ("topk_tv", ["--recompute_old"]),
+                                                   ("erc", ["--gradient_checkpointing"])])
 def test_every_objective_trains_the_demo_without_nans(demo_cache, tmp_path, objective, extra_flags):
     dppo.main(["--cache_dir", demo_cache, "--objective", objective, "--steps", "3", "--prompts_per_step", "8",
                "--eval_n", "20", "--eval_every", "3", "--output_dir", str(tmp_path), *extra_flags])
