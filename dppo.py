@@ -309,7 +309,9 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-LOGITS_CHUNK = 256  # completion positions whose full-vocabulary logits exist at once in a training forward pass
+# The training forward pass computes the output layer for at most this many positions x vocabulary entries at once:
+# 32 MiB of fp32 logits per temporary (55 positions at Qwen's 151,936 tokens), whatever the vocabulary.
+LOGITS_CHUNK_ELEMENTS = 2**23
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -322,7 +324,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     Prompts are left-padded and completions right-padded, so the T completion tokens sit in the last T
     columns and are predicted from the hidden states of the T columns before them. Position ids are
     passed explicitly, counted from each row's first real token, as generate() counted them. The
-    transformer body runs once; the output layer then runs on LOGITS_CHUNK positions at a time, under
+    transformer body runs once; the output layer then runs on a chunk of positions at a time, under
     activation checkpointing, so no B x T x V logits tensor ever exists: each chunk's logits are dropped
     after use and recomputed in the backward pass. (This takes logits = lm_head(last hidden state), as in
     the Llama, Qwen and Mistral families; a model that rescales its logits would need that step too.)"""
@@ -335,11 +337,11 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)
     topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
     lm_head = model.get_output_embeddings()
-    chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, lm_head, hidden[i : i + LOGITS_CHUNK],
-                                                targets[i : i + LOGITS_CHUNK], temperature,
-                                                topk_ids[i : i + LOGITS_CHUNK] if topk_ids is not None else None,
+    n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
+    chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, lm_head, hidden[i : i + n], targets[i : i + n],
+                                                temperature, topk_ids[i : i + n] if topk_ids is not None else None,
                                                 with_entropy, use_reentrant=False)
-              for i in range(0, B * T, LOGITS_CHUNK)]
+              for i in range(0, B * T, n)]
     logp = torch.cat([chunk[0] for chunk in chunks]).view(B, T)
     topk_logp = torch.cat([chunk[1] for chunk in chunks]).view(B, T, K) if topk_ids is not None else None
     entropy = torch.cat([chunk[2] for chunk in chunks]).view(B, T) if with_entropy else None
@@ -360,9 +362,9 @@ def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy
 
 def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> torch.Tensor:
     """H = -sum_a p(a) log p(a) = log Z - sum_a p(a) logit(a), with p = exp(logit - log Z), over the last axis
-    of finite logits. The sum is an einsum, which makes no (N, V) product tensor: one exp is the only copy."""
+    of finite logits. p is the only (N, V) copy made: the product is formed in place in it."""
     p = (logits - log_normaliser[:, None]).exp_()
-    return log_normaliser - torch.einsum("nv,nv->n", p, logits)
+    return log_normaliser - p.mul_(logits).sum(-1)
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
