@@ -926,6 +926,51 @@ def test_rollout_memory_grows_with_topk_not_with_the_vocabulary(qwen_checkpoint)
     assert peaks["output_logits"] >= peaks["plain"] + 0.9 * T * one_step_logits
 
 
+def training_peak_memory_mib(checkpoint: str, batch: int, completion_lengths: list, chunk_elements=None,
+                             gradient_checkpointing=False) -> dict:
+    """Peak RSS of one training forward + backward pass (log-probs with gradient, pi at 20 top-K ids and the
+    entropy, as erc and topk_* need them), in MiB above the RSS just before it, for each completion length,
+    after a 32-token prompt. Gradient buffers exist before it (as from the second micro-batch on). For a
+    fresh process started with MALLOC_MMAP_THRESHOLD_ set low (see rollout_peak_memory_mib)."""
+    if chunk_elements:
+        dppo.LOGITS_CHUNK_ELEMENTS = chunk_elements
+    model, _ = dppo.load_policy(checkpoint, torch.device("cpu"), gradient_checkpointing)
+    model.train()
+    vocab, generator = model.config.vocab_size, torch.Generator().manual_seed(0)
+    peaks = {}
+    for T in [completion_lengths[0], *completion_lengths]:  # the first run is a warm-up
+        prompt, completion = (torch.randint(vocab, (batch, n), generator=generator) for n in (32, T))
+        topk_ids = torch.randint(vocab, (batch, T, 20), generator=generator)
+        dppo.reset_peak_memory(torch.device("cpu"))
+        before = dppo.peak_memory_mb(torch.device("cpu"))
+        logp, _, _ = dppo.policy_logprobs(model, prompt, torch.ones_like(prompt), completion, torch.ones(batch, T), 1.0,
+                                          topk_ids=topk_ids, with_entropy=True)
+        logp.sum().backward()
+        del logp
+        peaks[T] = dppo.peak_memory_mb(torch.device("cpu")) - before
+        model.zero_grad(set_to_none=False)
+    return peaks
+
+
+def test_training_memory_grows_with_the_chunk_not_with_the_logits(qwen_checkpoint):
+    """No B x T x V tensor in a training step: at Qwen's vocabulary, tripling the completion length adds
+    hardly any memory, while the fp32 logits of those tokens alone would add hundreds of MiB."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("peak RSS is read from Linux's /proc")
+    B, lengths = 4, [64, 192]
+    probe = (f"import json, test_dppo; "
+             f"print(json.dumps(test_dppo.training_peak_memory_mib({str(qwen_checkpoint)!r}, {B}, {lengths})))")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peaks = {int(T): mib for T, mib in json.loads(done.stdout.splitlines()[-1]).items()}
+    print(peaks)
+    logits_mib = {T: B * T * QWEN_VOCAB_SIZE * 4 / 2**20 for T in lengths}  # one fp32 copy of the logits
+    chunk_mib = dppo.LOGITS_CHUNK_ELEMENTS * 4 / 2**20
+    assert peaks[192] - peaks[64] <= 0.1 * (logits_mib[192] - logits_mib[64])
+    assert peaks[192] <= 8 * chunk_mib + 2 * QWEN_VOCAB_SIZE * 64 * 4 / 2**20  # a few chunk temporaries + grad of the embedding
+
+
 OVERHEAD_TARGETS = {"pg": None, "ppo_clip": 1.0, "dcpo": 1.03, "erc": 1.15,  # the update phase's time against ppo_clip
                     "binary_tv": 1.03, "binary_kl": 1.03, "topk_tv": 1.10, "topk_kl": 1.10}
 
