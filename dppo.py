@@ -42,6 +42,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import urllib.error
@@ -124,6 +125,9 @@ class Config:
     seed: int = setting(0, "seed for data order, sampling and initialisation")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
+    save_every: int = setting(0, "write a checkpoint (model, optimizer, step, random states, SAS history) to "
+                                 "<output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
+    resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (give the same other flags)")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
 
@@ -141,6 +145,7 @@ DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates
 def parse_config(argv=None) -> Config:
     """Flags typed on the command line always win; then the objective's own defaults; then the demo's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
+    parser.error = fail  # an unknown flag or objective, or a value of the wrong type: one line, exit status 2
     for f in dataclasses.fields(Config):
         special = [f"{name}: {overrides[f.name]!r}" for name, overrides in OBJECTIVE_DEFAULTS.items() if f.name in overrides]
         if f.name in DEMO_DEFAULTS:
@@ -156,7 +161,35 @@ def parse_config(argv=None) -> Config:
     cfg = Config(**{**demo_defaults, **objective_defaults, **given})
     if not cfg.output_dir:
         cfg.output_dir = f"runs/{cfg.objective}-seed{cfg.seed}"
+    check_config(cfg)
     return cfg
+
+
+MUST_BE_POSITIVE = ["prompts_per_step", "max_new_tokens", "temperature", "topk", "clip_low", "clip_high", "dual_clip",
+                    "dcpo_r_max", "erc_beta_low", "erc_beta_high", "delta_low", "delta_high", "is_cap", "steps",
+                    "updates_per_step", "micro_batch_size", "learning_rate", "max_grad_norm", "eval_every", "eval_n",
+                    "eval_batch_size"]
+
+
+def check_config(cfg: Config):
+    """Settings that cannot work are refused before anything is loaded (the vocabulary size is checked
+    once the model is): one line and exit status 2, see fail()."""
+    for name in MUST_BE_POSITIVE:
+        if not getattr(cfg, name) > 0:  # `not > 0` also refuses NaN
+            fail(f"--{name} must be > 0, got {getattr(cfg, name)}")
+    if cfg.clip_low >= 1:
+        fail(f"--clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
+    if cfg.samples_per_prompt < 2:
+        fail(f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}")
+    rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt
+    if rollout_batch % cfg.updates_per_step:
+        fail(f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of "
+             f"{cfg.prompts_per_step} x {cfg.samples_per_prompt} = {rollout_batch} completions")
+    minibatch = rollout_batch // cfg.updates_per_step
+    if cfg.micro_batch_size < minibatch and minibatch % cfg.micro_batch_size:
+        fail(f"--micro_batch_size {cfg.micro_batch_size} does not divide the mini-batch of {minibatch} completions")
+    if cfg.epochs < 0 or cfg.weight_decay < 0:
+        fail("--epochs and --weight_decay must be >= 0")
 
 
 # ============================================================================ data
@@ -198,8 +231,23 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
 
 
 def read_jsonl(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Problems from a JSONL file; a line that is not a JSON object with question and answer is an error."""
+    if not Path(path).is_file():
+        fail(f"{path}: no such file")
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                problem = json.loads(line)
+            except json.JSONDecodeError as error:
+                fail(f"{path}, line {number}: not valid JSON ({error.msg})")
+            if not isinstance(problem, dict) or not isinstance(problem.get("question"), str) \
+                    or not isinstance(problem.get("answer"), str):
+                fail(f"{path}, line {number}: needs string fields 'question' and 'answer'")
+            problems.append(problem)
+    return problems
 
 
 def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -284,8 +332,13 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     Only its EOS ids are kept: generation stops on every one of them.
     Dropout is switched off (every dropout probability in the config set to 0): the update runs in train
     mode, and pi must equal mu there before the first step."""
-    if not Path(name_or_path).expanduser().exists():
+    local = Path(name_or_path).expanduser()
+    if not local.exists():
         require_hub(f"the model {name_or_path}")
+    elif not (local / "config.json").is_file():
+        fail(f"--model {name_or_path}: no config.json there (a model directory is one written by save_pretrained)")
+    elif not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
+        fail(f"--model {name_or_path}: no weights there (*.safetensors or *.bin)")
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     config = AutoConfig.from_pretrained(name_or_path)
     for key, value in config.to_dict().items():
@@ -296,6 +349,9 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
         model.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
     eos = model.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    if not eos_ids:
+        fail(f"--model {name_or_path}: neither its tokenizer nor its generation config names an EOS token, "
+             "so no completion could ever end")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
@@ -732,25 +788,28 @@ def objective_loss(cfg: Config, logp, anchor: "Rollout", advantages, topk_logp, 
     Returns (l, blocked, diagnostics): blocked = tokens the trust region gave no gradient; diagnostics =
     per-token values worth logging (DPPO's divergence, ERC's kept mask)."""
     A = advantages
+    # A sampled token has mu(a_t) > 0; should a recorded log mu round to -inf, the ratio is capped at p / 1e-12
+    # instead of becoming infinite (and 0 * inf = NaN in the loss).
+    logp_mu = anchor.logp_mu.clamp(min=LOG_EPS)
     if cfg.objective == "pg":
-        return *pg_loss(logp, anchor.logp_mu, A, cfg.is_cap), {}
+        return *pg_loss(logp, logp_mu, A, cfg.is_cap), {}
     if cfg.objective == "ppo_clip":
-        return *ppo_clip_loss(logp, anchor.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip), {}
+        return *ppo_clip_loss(logp, logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip), {}
     if cfg.objective == "dcpo":
-        return *dcpo_loss(logp, anchor.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dcpo_r_max, cfg.dual_clip), {}
+        return *dcpo_loss(logp, logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dcpo_r_max, cfg.dual_clip), {}
     if cfg.objective == "erc":
-        loss, clipped = ppo_clip_loss(logp, anchor.logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        loss, clipped = ppo_clip_loss(logp, logp_mu, A, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
         loss, kept = erc_loss(loss, entropy, anchor.entropy_mu, cfg.erc_beta_low, cfg.erc_beta_high)
         return loss, clipped | ~kept, {"erc/kept": kept.float()}
     if cfg.objective == "binary_tv":
-        divergence = binary_tv(anchor.logp_mu, logp)
+        divergence = binary_tv(logp_mu, logp)
     elif cfg.objective == "binary_kl":
-        divergence = binary_kl(anchor.logp_mu, logp)
+        divergence = binary_kl(logp_mu, logp)
     elif cfg.objective == "topk_tv":
         divergence = topk_tv(anchor.topk_logp_mu, topk_logp)
     else:
         divergence = topk_kl(anchor.topk_logp_mu, topk_logp)
-    loss, blocked = dppo_loss(logp, anchor.logp_mu, A, divergence, cfg.delta_low, cfg.delta_high, cfg.is_cap)
+    loss, blocked = dppo_loss(logp, logp_mu, A, divergence, cfg.delta_low, cfg.delta_high, cfg.is_cap)
     return loss, blocked, {"trust_region/divergence": divergence}
 
 
@@ -834,6 +893,10 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         optimizer.zero_grad(set_to_none=True)
         losses.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats))
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
+        if not (math.isfinite(losses[-1]) and math.isfinite(grad_norms[-1])):
+            model.eval()
+            raise FloatingPointError(f"non-finite loss {losses[-1]} or gradient norm {grad_norms[-1]} "
+                                     f"in update {len(losses)} of {cfg.updates_per_step}")
         optimizer.step()
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
     tokens = stats.sum.pop("tokens")
@@ -892,14 +955,50 @@ def peak_memory_mb(device: torch.device) -> float:
         return math.nan
 
 
-def problem_batches(n_problems: int, batch_size: int, seed: int):
-    """Endless batches of problem indices, reshuffled (seeded) at every pass over the set. An index is
-    also the prompt's key for DCPO's per-prompt reward history."""
-    rng = random.Random(seed)
-    while True:
-        order = rng.sample(range(n_problems), n_problems)
-        for start in range(0, n_problems - batch_size + 1, batch_size):
-            yield order[start : start + batch_size]
+def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """The problem indices of RL step `step` (from 1): passes over the set, each in its own seeded shuffle,
+    so the data order is a function of (seed, step) and a resumed run sees what an uninterrupted one would.
+    An index is also the prompt's key for DCPO's per-prompt reward history."""
+    epoch, position = divmod(step - 1, n_problems // batch_size)
+    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
+    return order[position * batch_size : (position + 1) * batch_size]
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
+    """Everything the run needs to go on exactly as if uninterrupted, in <run_dir>/checkpoint. Written to a
+    temporary directory first and then renamed into place, so a crash mid-write leaves the last one whole."""
+    partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "reward_history": reward_history,
+                "initial_accuracy": initial_accuracy, "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+               partial / "training_state.pt")
+    if final.exists():
+        final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_random_states(state: dict):
+    random.setstate(state["python_rng"])
+    np.random.set_state(state["numpy_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def writable_directory(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".dppo-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        fail(f"--output_dir {path}: not writable ({error.strerror or error})")
+    return path
 
 
 def main(argv=None) -> dict:
@@ -910,76 +1009,118 @@ def main(argv=None) -> dict:
     torch.manual_seed(cfg.seed)
     started = time.time()
 
+    output_dir = writable_directory(Path(cfg.output_dir))
+    resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
+    if resume_from and not (resume_from / "training_state.pt").is_file():
+        fail(f"--resume {cfg.resume}: no checkpoint there ({resume_from}/training_state.pt); "
+             "a run writes one with --save_every N or on Ctrl-C")
     train_problems, held_out = load_problems(cfg)
     held_out = held_out[: cfg.eval_n]
+    if len(train_problems) < cfg.prompts_per_step or not held_out:
+        fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
+             f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1")
     with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
-        checkpoint = cfg.model or build_tiny_model(cfg.cache_dir)
+        checkpoint = str(resume_from) if resume_from else cfg.model or build_tiny_model(cfg.cache_dir)
     model, tokenizer = load_policy(checkpoint, device, cfg.gradient_checkpointing)
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    if cfg.topk > vocabulary:
+        fail(f"--topk {cfg.topk} is more than the model's {vocabulary} tokens")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = open(output_dir / "metrics.jsonl", "w")
+    reward_history = {}  # --advantage sas: per-prompt reward statistics across visits
+    first_step, initial_accuracy = 1, None
+    if resume_from:
+        state = torch.load(resume_from / "training_state.pt", weights_only=False)  # our own file: optimizer, RNG states
+        optimizer.load_state_dict(state["optimizer"])
+        restore_random_states(state)
+        first_step, initial_accuracy, reward_history = state["step"] + 1, state["initial_accuracy"], state["reward_history"]
+    metrics_file = open(output_dir / "metrics.jsonl", "a" if resume_from else "w")
 
     def log(record: dict):
         metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        metrics_file.flush()  # a line at a time: an interrupted run keeps every step it finished
 
     def run_eval(step: int) -> float:
         accuracy = evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size)
         log({"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started})
         return accuracy
 
+    def checkpoint_at(step: int):
+        save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
+
+    # Ctrl-C lets the current step finish, saves a checkpoint and stops; a second Ctrl-C stops at once.
+    interrupted = []
+
+    def on_ctrl_c(signum, frame):
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(True)
+        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
+
     G, P = cfg.samples_per_prompt, cfg.prompts_per_step
     steps = cfg.epochs * (len(train_problems) // P) if cfg.epochs > 0 else cfg.steps
-    reward_history = {}  # --advantage sas: per-prompt reward statistics across visits
-    initial_accuracy = accuracy = run_eval(step=0)
-    batches = problem_batches(len(train_problems), P, cfg.seed)
-    progress = tqdm(range(1, steps + 1), desc=cfg.objective, dynamic_ncols=True)
-    for step in progress:
-        indices = next(batches)
-        problems = [train_problems[i] for i in indices]
-        rollout_started = time.time()
-        reset_peak_memory(device)
-        prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
-        rollout = generate_rollout(model, tokenizer, prompts, cfg)
-        golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
-        rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
-        if cfg.advantage == "sas":
-            advantages = sas_advantages(rewards, G, indices, reward_history)
-        else:
-            advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
-        rollout_s, rollout_peak_mb = time.time() - rollout_started, peak_memory_mb(device)
-        update_started = time.time()
-        reset_peak_memory(device)
-        stats = update_policy(model, optimizer, rollout, advantages, cfg)
-        update_s, update_peak_mb = time.time() - update_started, peak_memory_mb(device)
-        mask = rollout.completion_mask
-        completion_tokens = mask.sum().item()  # generated once, then trained on once (each is in one mini-batch)
-        eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
-        log({"step": step,
-             "reward/mean": rewards.mean().item(),
-             "reward/zero_spread_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
-             "reward/answer_found": sum(extract_answer(text) is not None for text in rollout.texts) / len(rollout.texts),
-             "completion/length_mean": mask.sum(1).mean().item(),
-             "completion/truncated": 1 - torch.isin(rollout.completion_ids, eos_ids).any(1).float().mean().item(),
-             "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
-             "advantage/nonzero_frac": (advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
-             **stats,
-             "time/rollout_s": rollout_s,
-             "time/update_s": update_s,
-             "time/elapsed_s": time.time() - started,
-             "throughput/generated_tokens_per_s": completion_tokens / rollout_s,
-             "throughput/trained_tokens_per_s": completion_tokens / update_s,
-             "memory/rollout_peak_mb": rollout_peak_mb,
-             "memory/update_peak_mb": update_peak_mb})
-        if step % cfg.eval_every == 0 or step == steps:
-            accuracy = run_eval(step)
-        progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}",
-                             gen_tok_s=f"{completion_tokens / rollout_s:.0f}", train_tok_s=f"{completion_tokens / update_s:.0f}")
+    if initial_accuracy is None:
+        initial_accuracy = run_eval(step=0)
+    accuracy = initial_accuracy
+    previous_handler = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        progress = tqdm(range(first_step, steps + 1), desc=cfg.objective, dynamic_ncols=True)
+        for step in progress:
+            indices = problem_batch(len(train_problems), P, cfg.seed, step)
+            problems = [train_problems[i] for i in indices]
+            rollout_started = time.time()
+            reset_peak_memory(device)
+            prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
+            rollout = generate_rollout(model, tokenizer, prompts, cfg)
+            golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
+            rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
+            if cfg.advantage == "sas":
+                advantages = sas_advantages(rewards, G, indices, reward_history)
+            else:
+                advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
+            rollout_s, rollout_peak_mb = time.time() - rollout_started, peak_memory_mb(device)
+            update_started = time.time()
+            reset_peak_memory(device)
+            try:
+                stats = update_policy(model, optimizer, rollout, advantages, cfg)
+            except FloatingPointError as error:
+                model.save_pretrained(output_dir)
+                tokenizer.save_pretrained(output_dir)
+                sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before "
+                         f"that optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}")
+            update_s, update_peak_mb = time.time() - update_started, peak_memory_mb(device)
+            mask = rollout.completion_mask
+            completion_tokens = mask.sum().item()  # generated once, then trained on once (each is in one mini-batch)
+            eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
+            log({"step": step,
+                 "reward/mean": rewards.mean().item(),
+                 "reward/zero_spread_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
+                 "reward/answer_found": sum(extract_answer(text) is not None for text in rollout.texts) / len(rollout.texts),
+                 "completion/length_mean": mask.sum(1).mean().item(),
+                 "completion/truncated": 1 - torch.isin(rollout.completion_ids, eos_ids).any(1).float().mean().item(),
+                 "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
+                 "advantage/nonzero_frac": (advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
+                 **stats,
+                 "time/rollout_s": rollout_s,
+                 "time/update_s": update_s,
+                 "time/elapsed_s": time.time() - started,
+                 "throughput/generated_tokens_per_s": completion_tokens / rollout_s,
+                 "throughput/trained_tokens_per_s": completion_tokens / update_s,
+                 "memory/rollout_peak_mb": rollout_peak_mb,
+                 "memory/update_peak_mb": update_peak_mb})
+            if step % cfg.eval_every == 0 or step == steps:
+                accuracy = run_eval(step)
+            progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}",
+                                 gen_tok_s=f"{completion_tokens / rollout_s:.0f}", train_tok_s=f"{completion_tokens / update_s:.0f}")
+            if (cfg.save_every and step % cfg.save_every == 0) or interrupted:
+                checkpoint_at(step)
+            if interrupted:
+                sys.exit(f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}")
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        metrics_file.close()
 
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    metrics_file.close()
     print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
           f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
           f"metrics and model in {output_dir}")

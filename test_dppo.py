@@ -103,6 +103,37 @@ def test_reward_never_raises_and_is_fast_on_huge_strings(completion):
     assert time.perf_counter() - started < 0.5
 
 
+HOSTILE_PIECES = ["{", "}", "\\boxed{", "\\boxed", "####", "<answer>", "</answer>", "$", "-", ".", ",", " ", "\n",
+                  "1", "23", "4,567", "8.9", "-0", "\\frac{1}{2}", "%", "\\", "\u00a0", "\U0001F600", "\u202e"]
+
+
+def hostile_string(rng: random.Random, length: int) -> str:
+    """Random text of about `length` characters: random code points (any plane, surrogates excluded) mixed
+    with the pieces the answer extraction looks for, in runs, so that braces nest deep and numbers crowd."""
+    parts, size = [], 0
+    while size < length:
+        if rng.random() < 0.3:
+            part = "".join(chr(rng.choice([rng.randrange(0x20, 0xD800), rng.randrange(0xE000, 0x110000)]))
+                           for _ in range(rng.randrange(1, 200)))
+        else:
+            part = rng.choice(HOSTILE_PIECES) * rng.choice([1, 1, 2, 10, 1000, 10_000])
+        parts.append(part)
+        size += len(part)
+    return "".join(parts)[:length]
+
+
+def test_reward_and_extraction_take_under_50_ms_and_never_raise_on_random_hostile_text():
+    rng = random.Random(0)
+    texts = ["", " ", "{}", "\\boxed{}", "####", *(hostile_string(rng, 100_000) for _ in range(100))]
+    slowest = 0.0
+    for text in texts:
+        for call in (lambda: extract_answer(text), lambda: reward(text, "18"), lambda: reward(text, text[:50])):
+            started = time.perf_counter()
+            call()
+            slowest = max(slowest, time.perf_counter() - started)
+    assert slowest < 0.050, slowest
+
+
 # ---------------------------------------------------------------------------- a tiny checkpoint on disk
 
 def write_tiny_checkpoint(path: Path, vocab_size=300, seed=0) -> Path:
@@ -403,6 +434,37 @@ def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
     assert cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
 
 
+def extreme_log_probs(g: torch.Generator, shape, smallest=-math.inf) -> torch.Tensor:
+    """Log-probs drawn from the edges: exactly 0 (p = 1), `smallest` (p = 0), -30, a hair below 0, or
+    anywhere in [-30, 0]."""
+    edges = torch.tensor([0.0, smallest, -30.0, -1e-7, -1e-30])
+    pick = torch.randint(0, 6, shape, generator=g)
+    return torch.where(pick < 5, edges[pick.clamp(max=4)], -30 * torch.rand(shape, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
+    """Losses, masks and gradients stay finite for log-probs of 0 and -30, p and q of 0 or 1 (mu's recorded
+    log-probs exactly -inf), K log-probs that all say 1, zero and huge entropies, huge advantages, and inputs rounded
+    through bf16, in every combination a seeded generator draws."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K = 64, 64, 4  # 4,096 token cases per objective and dtype
+    for objective in dppo.OBJECTIVES:
+        # pi's log-prob of a token comes from a log-softmax of finite logits: very negative, never -inf
+        logp = extreme_log_probs(g, (B, T), smallest=-1e4).to(dtype).float().requires_grad_()
+        anchor = SimpleNamespace(logp_mu=extreme_log_probs(g, (B, T)).to(dtype).float(),
+                                 topk_logp_mu=extreme_log_probs(g, (B, T, K)).to(dtype).float(),
+                                 entropy_mu=torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
+        topk_logp = extreme_log_probs(g, (B, T, K)).to(dtype).float()
+        entropy = torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)]
+        advantages = torch.tensor([-1e4, -1.0, 0.0, 1e-6, 1.0, 1e4])[torch.randint(0, 6, (B, 1), generator=g)]
+        loss, blocked, diagnostics = dppo.objective_loss(config(objective=objective), logp, anchor, advantages,
+                                                         topk_logp, entropy)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), objective
+        assert blocked.dtype == torch.bool and all(torch.isfinite(v).all() for v in diagnostics.values()), objective
+
+
 def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
     A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
     logp_mu = torch.full_like(r, math.log(0.01))
@@ -486,9 +548,9 @@ def test_sas_takes_the_smaller_magnitude_per_completion():
 
 
 def test_epochs_revisit_every_prompt():
-    batches = dppo.problem_batches(n_problems=8, batch_size=4, seed=0)
-    seen = [i for _ in range(4) for i in next(batches)]  # 2 epochs of 2 steps
-    assert sorted(seen) == sorted(list(range(8)) * 2)
+    seen = [i for step in range(1, 5) for i in dppo.problem_batch(n_problems=8, batch_size=4, seed=0, step=step)]
+    assert sorted(seen[:8]) == sorted(seen[8:]) == list(range(8))  # 2 epochs of 2 steps
+    assert seen[:8] != seen[8:]  # each pass in its own order
 
 
 # ---------------------------------------------------------------------------- aggregation and micro-batching
@@ -609,7 +671,7 @@ def test_two_training_steps_on_a_checkpoint_loaded_by_path(demo_cache, tmp_path)
     out = tmp_path / "run"
     dppo.main(["--model", checkpoint, "--dataset", str(dataset), "--steps", "2", "--prompts_per_step", "4",
                "--samples_per_prompt", "4", "--max_new_tokens", "16", "--updates_per_step", "2",
-               "--micro_batch_size", "3", "--learning_rate", "1e-3", "--eval_n", "8", "--eval_every", "1",
+               "--micro_batch_size", "2", "--learning_rate", "1e-3", "--eval_n", "8", "--eval_every", "1",
                "--output_dir", str(out)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/accuracy" in r]
