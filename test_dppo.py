@@ -17,6 +17,7 @@ import json
 import math
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1222,6 +1223,126 @@ def test_a_missing_local_dataset_path_is_an_error_not_a_hub_name(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         dppo.load_problems(config(dataset=str(tmp_path / "no-such.jsonl")))
     assert exit_info.value.code == 2
+
+
+# ---------------------------------------------------------------------------- failure modes
+
+def one_line_exit_2(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        dppo.main(argv)
+    stderr = capsys.readouterr().err
+    lines = stderr.strip().splitlines()  # after a model has loaded, its progress bar comes first
+    assert exit_info.value.code == 2 and lines[-1].startswith("dppo.py: error: "), lines
+    assert "Traceback" not in stderr and stderr.count("error") == 1
+    return lines[-1]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--objective", "trpo"], "invalid choice: 'trpo'"),
+    (["--topk", "0"], "--topk must be > 0"),
+    (["--delta_low", "0"], "--delta_low must be > 0"),
+    (["--clip_high", "-0.1"], "--clip_high must be > 0"),
+    (["--temperature", "nan"], "--temperature must be > 0"),
+    (["--samples_per_prompt", "1"], "--samples_per_prompt must be at least 2"),
+    (["--updates_per_step", "3"], "--updates_per_step 3 does not divide the rollout batch of 32 x 8 = 256"),
+    (["--micro_batch_size", "48"], "--micro_batch_size 48 does not divide the mini-batch of 128"),
+    (["--steps", "two"], "invalid int value: 'two'"),
+])
+def test_bad_settings_fail_in_one_line_before_anything_is_loaded(flags, says, capsys, monkeypatch):
+    monkeypatch.setattr(dppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(dppo, "load_problems", lambda *a, **k: pytest.fail("data were loaded"))
+    assert says in one_line_exit_2(flags, capsys)
+
+
+def test_bad_files_and_directories_fail_in_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    bad_json, no_answer = tmp_path / "bad.jsonl", tmp_path / "no-answer.jsonl"
+    bad_json.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": \n')
+    no_answer.write_text('{"question": "1+1?", "answer": "#### 2"}\n\n{"question": "2+2?"}\n')
+    assert f"{bad_json}, line 2: not valid JSON" in one_line_exit_2(["--dataset", str(bad_json)], capsys)
+    assert f"{no_answer}, line 3: needs string fields" in one_line_exit_2(["--dataset", str(no_answer)], capsys)
+    assert "no such file or directory" in one_line_exit_2(["--dataset", str(tmp_path / "missing.jsonl")], capsys)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert "not writable" in one_line_exit_2(["--output_dir", str(blocker / "run")], capsys)
+    assert "no checkpoint there" in one_line_exit_2(["--resume", str(tmp_path), "--output_dir", str(tmp_path / "r")], capsys)
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_checkpoint, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    run = ["--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")]
+    assert "no weights there" in one_line_exit_2(["--model", str(no_weights), *run], capsys)
+    assert "no config.json there" in one_line_exit_2(["--model", str(tmp_path), *run], capsys)
+    assert "--topk 100000 is more than the model's" in one_line_exit_2(
+        ["--model", str(tiny_checkpoint), "--topk", "100000", *run], capsys)
+    no_eos = tmp_path / "no-eos"  # neither config names an EOS id, and the tokenizer has none
+    shutil.copytree(tiny_checkpoint, no_eos, ignore=shutil.ignore_patterns("generation_config.json"))
+    (no_eos / "config.json").write_text(json.dumps({**json.loads((no_eos / "config.json").read_text()), "eos_token_id": None}))
+    real_from_pretrained = dppo.AutoTokenizer.from_pretrained
+
+    def without_eos(*args, **kwargs):
+        tokenizer = real_from_pretrained(*args, **kwargs)
+        tokenizer.eos_token = None
+        return tokenizer
+
+    monkeypatch.setattr(dppo.AutoTokenizer, "from_pretrained", without_eos)
+    assert "names an EOS token" in one_line_exit_2(["--model", str(no_eos), *run], capsys)
+
+
+def demo_run(demo_cache, out, *flags):
+    """A short demo-model run: 8 prompts x 4 samples a step, 2 updates, evaluation every 3 steps."""
+    return dppo.main(["--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
+                      "--micro_batch_size", "16", "--eval_n", "20", "--eval_every", "3", "--objective", "dcpo",
+                      "--output_dir", str(out), *flags])
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    """metrics.jsonl without what depends on the clock or the machine's memory."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))} for r in records]
+
+
+def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(demo_cache, tmp_path):
+    """dcpo, so that SAS's per-prompt history has to survive the interruption too."""
+    demo_run(demo_cache, tmp_path / "whole", "--steps", "6")
+    demo_run(demo_cache, tmp_path / "halves", "--steps", "3", "--save_every", "3")
+    assert (tmp_path / "halves" / "checkpoint" / "training_state.pt").is_file()
+    demo_run(demo_cache, tmp_path / "halves", "--steps", "6", "--resume", str(tmp_path / "halves"))
+    whole, halves = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                     for run in ("whole", "halves"))
+    assert [r["step"] for r in halves] == [0, 1, 2, 3, 3, 4, 5, 6, 6]  # step records, then evaluations
+    assert comparable(halves) == comparable(whole)
+
+
+def test_ctrl_c_finishes_the_step_saves_a_checkpoint_and_stops(demo_cache, tmp_path, monkeypatch):
+    real_rollout, calls = dppo.generate_rollout, []
+
+    def rollout_then_ctrl_c(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)  # as if the user pressed Ctrl-C during step 2's sampling
+        return real_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(dppo, "generate_rollout", rollout_then_ctrl_c)
+    with pytest.raises(SystemExit) as exit_info:
+        demo_run(demo_cache, tmp_path / "run", "--steps", "6")
+    assert "interrupted after step 2" in str(exit_info.value.code)
+    assert torch.load(tmp_path / "run" / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+def test_a_non_finite_loss_stops_the_run_naming_step_and_objective_after_saving(demo_cache, tmp_path, monkeypatch):
+    real_loss, calls = dppo.objective_loss, []
+
+    def nan_at_step_2(*args, **kwargs):
+        calls.append(1)
+        loss, blocked, diagnostics = real_loss(*args, **kwargs)
+        return (loss * math.nan if len(calls) > 2 else loss), blocked, diagnostics  # 2 updates a step
+
+    monkeypatch.setattr(dppo, "objective_loss", nan_at_step_2)
+    with pytest.raises(SystemExit) as exit_info:
+        demo_run(demo_cache, tmp_path / "run", "--steps", "6")
+    assert "stopped at step 2 (dcpo): non-finite loss" in str(exit_info.value.code)
+    saved = Qwen2ForCausalLM.from_pretrained(tmp_path / "run")
+    assert all(torch.isfinite(w).all() for w in saved.state_dict().values())  # the bad update was not applied
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
 # ---------------------------------------------------------------------------- run_gsm8k.sh
