@@ -1320,12 +1320,13 @@ def test_ctrl_c_finishes_the_step_saves_a_checkpoint_and_stops(demo_cache, tmp_p
         return real_rollout(*args, **kwargs)
 
     monkeypatch.setattr(dppo, "generate_rollout", rollout_then_ctrl_c)
+    handler_before = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exit_info:
         demo_run(demo_cache, tmp_path / "run", "--steps", "6")
     assert "interrupted after step 2" in str(exit_info.value.code)
     assert torch.load(tmp_path / "run" / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 2
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert signal.getsignal(signal.SIGINT) == handler_before  # the caller's handler is put back
 
 
 def test_a_non_finite_loss_stops_the_run_naming_step_and_objective_after_saving(demo_cache, tmp_path, monkeypatch):
