@@ -1044,9 +1044,6 @@ def main(argv=None) -> dict:
         log({"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started})
         return accuracy
 
-    def checkpoint_at(step: int):
-        save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
-
     # Ctrl-C lets the current step finish, saves a checkpoint and stops; a second Ctrl-C stops at once.
     interrupted = []
 
@@ -1112,7 +1109,7 @@ def main(argv=None) -> dict:
             progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}",
                                  gen_tok_s=f"{completion_tokens / rollout_s:.0f}", train_tok_s=f"{completion_tokens / update_s:.0f}")
             if (cfg.save_every and step % cfg.save_every == 0) or interrupted:
-                checkpoint_at(step)
+                save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if interrupted:
                 sys.exit(f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}")
     finally:
