@@ -51,7 +51,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import huggingface_hub
+import huggingface_hub.constants
+import huggingface_hub.utils
 import numpy as np
 import torch
 import torch.utils.checkpoint
@@ -265,17 +266,50 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
         return problems[: -cfg.eval_n], problems[-cfg.eval_n :]
     if (path / "dataset_dict.json").is_file():
         from datasets import load_from_disk
-        splits = load_from_disk(str(path))
-        return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
+        return train_and_test(load_from_disk(str(path)), cfg.dataset)
     if path.is_dir():
+        for split in ("train", "test"):
+            if not (path / f"{split}.jsonl").is_file():
+                fail(f"--dataset {cfg.dataset}: no {split}.jsonl there (a dataset directory holds train.jsonl and "
+                     "test.jsonl, or a DatasetDict written by save_to_disk)")
         return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
-    if cfg.dataset.startswith((".", "/", "~")) or cfg.dataset.endswith((".jsonl", ".json")):
+    if looks_like_a_path(cfg.dataset) or cfg.dataset.endswith((".jsonl", ".json")):
         fail(f"--dataset {cfg.dataset}: no such file or directory")
     name, config = ("openai/gsm8k", "main") if cfg.dataset in ("gsm8k", "openai/gsm8k") else (cfg.dataset, None)
     require_hub(f"the dataset {name}")
     from datasets import load_dataset
-    splits = load_dataset(name, config)
+    try:
+        splits = load_dataset(name, config)
+    except (ConnectionError, FileNotFoundError) as error:  # offline and not cached; or no such dataset on the Hub
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
+            fail(not_in_offline_cache(f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local JSONL file or directory"))
+        fail(f"--dataset {cfg.dataset}: {first_line(error)}")
+    return train_and_test(splits, cfg.dataset)
+
+
+def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
+    """The train and test splits of a datasets DatasetDict as lists of problems, once their columns are checked."""
+    for split in ("train", "test"):
+        if split not in splits:
+            fail(f"--dataset {source}: no {split!r} split (it has {', '.join(map(repr, splits))}); train and test are needed")
+        if not {"question", "answer"} <= set(splits[split].column_names):
+            fail(f"--dataset {source}: its {split} split has columns {splits[split].column_names}; "
+                 "'question' and 'answer' are needed")
     return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A name written as a local path (absolute, ./, ../ or ~), which the Hub would never have."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
+
+
+def not_in_offline_cache(subject: str, local: str) -> str:
+    return (f"{subject} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it; "
+            f"pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it")
+
+
+def first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def require_hub(what: str):
@@ -323,6 +357,30 @@ def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
 
 # ============================================================================ model
 
+def check_model_source(name_or_path: str):
+    """Refuse a --model that cannot load, before anything is downloaded: a local directory that is missing or
+    is not a saved model; a Hub id while the Hub is unreachable, or, with HF_HUB_OFFLINE=1, not in the cache."""
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            fail(f"--model {name_or_path}: no config.json there (a model directory is one written by save_pretrained)")
+        if not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
+            fail(f"--model {name_or_path}: no weights there (*.safetensors or *.bin)")
+        return
+    try:
+        huggingface_hub.utils.validate_repo_id(name_or_path)
+    except huggingface_hub.utils.HFValidationError:
+        looks_like_a_hub_id = False
+    else:
+        looks_like_a_hub_id = not looks_like_a_path(name_or_path)
+    if not looks_like_a_hub_id:
+        fail(f"--model {name_or_path}: no such directory")
+    if not huggingface_hub.constants.HF_HUB_OFFLINE:
+        require_hub(f"the model {name_or_path}")
+    elif not isinstance(huggingface_hub.try_to_load_from_cache(name_or_path, "config.json"), str):
+        fail(not_in_offline_cache(f"--model {name_or_path}:", "a local model directory"))
+
+
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False):
     """A causal LM and its tokenizer, from the Hub or a local directory, ready for sampling.
 
@@ -332,19 +390,15 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     Only its EOS ids are kept: generation stops on every one of them.
     Dropout is switched off (every dropout probability in the config set to 0): the update runs in train
     mode, and pi must equal mu there before the first step."""
-    local = Path(name_or_path).expanduser()
-    if not local.exists():
-        require_hub(f"the model {name_or_path}")
-    elif not (local / "config.json").is_file():
-        fail(f"--model {name_or_path}: no config.json there (a model directory is one written by save_pretrained)")
-    elif not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
-        fail(f"--model {name_or_path}: no weights there (*.safetensors or *.bin)")
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    config = AutoConfig.from_pretrained(name_or_path)
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
-            setattr(config, key, 0.0)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32).to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(name_or_path)
+        for key, value in config.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+                setattr(config, key, 0.0)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32).to(device)
+    except OSError as error:  # no such model on the Hub, or only part of it in the offline cache, ...
+        fail(f"--model {name_or_path}: {first_line(error)}")
     if gradient_checkpointing:  # HF recomputes each decoder layer in backward, in train mode only (update_policy)
         model.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint per layer
     eos = model.generation_config.eos_token_id
@@ -1014,6 +1068,8 @@ def main(argv=None) -> dict:
     if resume_from and not (resume_from / "training_state.pt").is_file():
         fail(f"--resume {cfg.resume}: no checkpoint there ({resume_from}/training_state.pt); "
              "a run writes one with --save_every N or on Ctrl-C")
+    if cfg.model and not resume_from:
+        check_model_source(cfg.model)  # before the dataset, which may have to be downloaded
     train_problems, held_out = load_problems(cfg)
     held_out = held_out[: cfg.eval_n]
     if len(train_problems) < cfg.prompts_per_step or not held_out:

@@ -1286,6 +1286,81 @@ def test_bad_files_and_directories_fail_in_one_line(tiny_checkpoint, tmp_path, c
     assert "names an EOS token" in one_line_exit_2(["--model", str(no_eos), *run], capsys)
 
 
+def test_a_model_path_that_does_not_exist_is_named_before_the_dataset_is_loaded(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(dppo, "load_problems", lambda *a, **k: pytest.fail("the dataset was loaded first"))
+    monkeypatch.chdir(tmp_path)
+    for model in (str(tmp_path / "no-such-dir"), "./my-model", "../my-model", "~/no-such-dppo-model", "runs/a/b"):
+        assert f"--model {model}: no such directory" in one_line_exit_2(["--model", model], capsys)  # dataset: gsm8k
+
+
+def test_dataset_directories_missing_a_split_or_a_column_fail_in_one_line(tmp_path, capsys):
+    from datasets import Dataset, DatasetDict
+
+    rows = dppo.arithmetic_problems()["test"][:4]
+    (tmp_path / "jsonl").mkdir()
+    (tmp_path / "jsonl" / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+    DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(tmp_path / "one-split")
+    renamed = [{"problem": p["question"], "solution": p["answer"]} for p in rows]
+    DatasetDict({"train": Dataset.from_list(renamed), "test": Dataset.from_list(renamed)}).save_to_disk(tmp_path / "columns")
+    Dataset.from_list(rows).save_to_disk(tmp_path / "no-splits")  # a Dataset, not a DatasetDict
+    for directory, says in (("jsonl", "no test.jsonl there"), ("one-split", "no 'test' split (it has 'train')"),
+                            ("columns", "its train split has columns ['problem', 'solution']"),
+                            ("no-splits", "no train.jsonl there")):
+        assert says in one_line_exit_2(["--dataset", str(tmp_path / directory), "--output_dir", str(tmp_path / "r")], capsys)
+
+
+def dppo_subprocess(argv, env, cwd) -> subprocess.CompletedProcess:
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, str(HERE / "dppo.py"), *argv], capture_output=True, text=True, env=env,
+                            cwd=cwd, timeout=60)
+    assert time.perf_counter() - started < 20  # importing torch and transformers is most of it
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("dppo.py: error: "), result.stderr
+    return result
+
+
+@pytest.mark.parametrize("argv, missing", [
+    (["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "arithmetic"], "--model Qwen/Qwen2.5-0.5B-Instruct: not in"),
+    (["--dataset", "gsm8k"], "--dataset gsm8k: the Hub dataset openai/gsm8k is not in"),
+])
+def test_offline_a_hub_name_missing_from_the_cache_says_so_and_how_out(argv, missing, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
+    stderr = dppo_subprocess([*argv, "--cache_dir", str(tmp_path / "demo")], env, tmp_path).stderr
+    assert missing in stderr and "local Hugging Face cache" in stderr and "HF_HUB_OFFLINE=1" in stderr
+    assert "pass a local" in stderr and "run once with HF_HUB_OFFLINE unset to download it" in stderr
+    assert not (tmp_path / "demo").exists()  # refused before the demo model was built
+
+
+@pytest.mark.parametrize("argv", [["--model", "no-such-org/no-such-model", "--dataset", "arithmetic"],
+                                  ["--dataset", "no-such-org/no-such-data"]])
+def test_online_a_hub_name_that_does_not_exist_fails_in_one_line(argv, tmp_path):
+    """A stand-in Hub on this machine's loopback that answers 404 to everything."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{hub.server_port}", "HF_HOME": str(tmp_path / "cache")}
+    env.pop("HF_HUB_OFFLINE")
+    try:
+        stderr = dppo_subprocess([*argv, "--cache_dir", str(tmp_path / "demo")], env, tmp_path).stderr
+    finally:
+        hub.shutdown()
+    assert f"{argv[0]} {argv[1]}: " in stderr
+    assert not (tmp_path / "demo").exists()
+
+
 def demo_run(demo_cache, out, *flags):
     """A short demo-model run: 8 prompts x 4 samples a step, 2 updates, evaluation every 3 steps."""
     return dppo.main(["--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
