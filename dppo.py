@@ -29,13 +29,16 @@ Simplifications, stated once:
   - Rewards are binary; no KL penalty to a reference model; no entropy bonus.
   - On CUDA the weights and AdamW stay fp32 and the forward passes run under bf16 autocast;
     log-probs, ratios and losses are always computed in fp32. On CPU everything is fp32.
-  - One process, one device: no distributed training, no vLLM. Generation is plain `generate`.
+  - One process, one device: no distributed training, no vLLM. Generation is plain `generate`, from the
+    policy itself, or with --sampler_dtype from a copy in bf16/fp16 that gets the trained weights before
+    every rollout, as an inference engine would: the training-inference mismatch, on a switch.
   - The loss on the first (on-policy) update is ~0 by construction (r = 1 and advantages are centred
     per group): a flat loss curve is not a sign that nothing is learned. Watch reward and accuracy.
 """
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -88,6 +91,10 @@ class Config:
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (SPEC §3)")
+    sampler_dtype: str = setting("policy", "sample from the trained policy itself ('policy'), or from a copy of it in this "
+                                           "dtype, refreshed from the trained weights before every rollout as an "
+                                           "inference engine receives them: the training-inference mismatch on a switch",
+                                 choices=["policy", "float32", "bfloat16", "float16"])
     # --- advantages and loss aggregation (shared by every objective) ---
     advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage "
                                      "standardisation, with per-prompt reward history across visits (SPEC §4)",
@@ -412,9 +419,25 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     return model, tokenizer
 
 
-def autocast(device: torch.device):
-    """bf16 matmuls on CUDA with fp32 weights (fp32 master weights, no loss scaling needed); nothing on CPU."""
-    if device.type == "cuda":
+def make_sampler(model, sampler_dtype: str):
+    """What the rollouts sample from: the policy itself, or a copy of it in another dtype (--sampler_dtype), as
+    an inference engine such as vLLM holds one. The copy gets the trained weights by refresh_sampler."""
+    if sampler_dtype == "policy":
+        return model
+    return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def refresh_sampler(sampler, model):
+    """Copy the trained weights into the sampler, cast to its dtype, before a rollout."""
+    if sampler is not model:
+        sampler.load_state_dict(model.state_dict())
+
+
+def autocast(model):
+    """bf16 matmuls on CUDA with fp32 weights (fp32 master weights, no loss scaling needed); nothing on CPU,
+    nor for a sampler copy whose weights are already in the dtype it should run in."""
+    if model.device.type == "cuda" and model.dtype == torch.float32:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -647,7 +670,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
-    with autocast(model.device):
+    with autocast(model):
         sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
                                    repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
                                    logits_processor=[recorder])
@@ -831,9 +854,14 @@ def dppo_loss(logp, logp_mu, advantages, divergence, delta_low, delta_high, is_c
     mu is never blocked, however large D is. For r <= C the gradient is that of -A * r * M.
     Returns l and the mask of blocked tokens."""
     ratio = torch.exp(logp - logp_mu).detach()
-    blocked = ((advantages > 0) & (logp > logp_mu) & (divergence > delta_high)) | \
-              ((advantages < 0) & (logp < logp_mu) & (divergence > delta_low))
+    blocked = dppo_blocked(logp, logp_mu, advantages, divergence, delta_low, delta_high)
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
+
+
+def dppo_blocked(logp, logp_mu, advantages, divergence, delta_low, delta_high):
+    """DPPO's trust-region mask, 1 - M: the tokens that move away from mu with D past its threshold."""
+    return ((advantages > 0) & (logp > logp_mu) & (divergence > delta_high)) | \
+           ((advantages < 0) & (logp < logp_mu) & (divergence > delta_low))
 
 
 def objective_loss(cfg: Config, logp, anchor: "Rollout", advantages, topk_logp, entropy) -> tuple:
@@ -880,14 +908,21 @@ def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
 
 
 class TokenStats:
-    """Running sums and maxima of per-token diagnostics over the completion tokens of one RL step."""
+    """Running sums, counts and maxima of per-token diagnostics over the completion tokens of one RL step."""
 
     def __init__(self):
-        self.sum, self.max = defaultdict(float), defaultdict(lambda: -math.inf)
+        self.sum, self.count, self.max = defaultdict(float), defaultdict(int), defaultdict(lambda: -math.inf)
 
     def add(self, name: str, values: torch.Tensor):
         self.sum[name] += values.sum().item()
+        self.count[name] += values.numel()
         self.max[name] = max(self.max[name], values.max().item())
+
+
+# The paper's section 3 diagnostics: a token is "rare" when mu(a_t) < RARE_TOKEN_MU, and the clip objectives'
+# blocked tokens are compared with the ones a binary-TV mask at DIAGNOSTIC_TV_DELTA would have blocked.
+RARE_TOKEN_MU = 0.15
+DIAGNOSTIC_TV_DELTA = 0.15
 
 
 @torch.no_grad()
@@ -899,7 +934,7 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     logp, topk_logp, entropy = rollout.logp_mu.clone(), rollout.topk_logp_mu.clone(), rollout.entropy_mu.clone()
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.rows(rows)
-        with autocast(model.device):
+        with autocast(model):
             old = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                   cfg.temperature, topk_ids=mb.topk_ids, with_entropy=True)
         T = mb.completion_ids.shape[1]
@@ -907,15 +942,18 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     return dataclasses.replace(rollout, logp_mu=logp, topk_logp_mu=topk_logp, entropy_mu=entropy)
 
 
-def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg: Config, stats: TokenStats) -> float:
+def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg: Config, stats: TokenStats,
+                        first_update: bool = True) -> float:
     """Backpropagate one mini-batch's loss, one micro-batch at a time (gradients add up); return the
-    loss and add the per-token diagnostics to stats. The token weights are the whole mini-batch's (SPEC §6)."""
+    loss and add the per-token diagnostics to stats. The token weights are the whole mini-batch's (SPEC §6).
+    On the step's first update pi is still pi_old, so |pi - mu| there is the sampler's numerics alone
+    (the training-inference mismatch); on later updates it adds the drift of the updates."""
     weights = token_weights(minibatch.completion_mask, cfg.loss_agg)
     needs_topk, needs_entropy = cfg.objective in ("topk_tv", "topk_kl"), cfg.objective == "erc"
     total_loss = 0.0
     for rows in torch.arange(len(advantages)).split(cfg.micro_batch_size):
         mb, A = minibatch.rows(rows), advantages[rows, None]
-        with autocast(model.device):
+        with autocast(model):
             logp, topk_logp, entropy = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
                                                        mb.completion_mask, cfg.temperature,
                                                        topk_ids=mb.topk_ids if needs_topk else None,
@@ -929,7 +967,16 @@ def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg
             stats.add("tokens", m.float())
             stats.add("blocked_pos_adv", (blocked & (A > 0))[m].float())
             stats.add("blocked_neg_adv", (blocked & (A < 0))[m].float())
-            stats.add("policy/abs_pi_minus_mu", (logp.exp() - mb.logp_mu.exp()).abs()[m])
+            abs_pi_minus_mu = (logp.exp() - mb.logp_mu.exp()).abs()[m]
+            stats.add("policy/abs_pi_minus_mu", abs_pi_minus_mu)
+            stats.add("policy/mismatch_first_update" if first_update else "policy/drift_later_updates", abs_pi_minus_mu)
+            rare = mb.logp_mu.exp() < RARE_TOKEN_MU
+            stats.add("rare", rare[m].float())
+            stats.add("blocked_rare", (blocked & rare)[m].float())
+            if cfg.objective in ("ppo_clip", "dcpo", "erc"):  # would DPPO's binary-TV mask have blocked them too?
+                tv_blocked = dppo_blocked(logp, mb.logp_mu, A, binary_tv(mb.logp_mu, logp),
+                                          DIAGNOSTIC_TV_DELTA, DIAGNOSTIC_TV_DELTA)
+                stats.add("blocked_also_by_tv", (blocked & tv_blocked)[m].float())
             for name, values in diagnostics.items():
                 stats.add(name, values[m])
     return total_loss
@@ -943,9 +990,10 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     if cfg.recompute_old:
         rollout = recompute_anchor(model, rollout, cfg)
     losses, grad_norms, stats = [], [], TokenStats()
-    for minibatch in torch.randperm(len(advantages)).chunk(cfg.updates_per_step):
+    for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats))
+        losses.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats,
+                                          first_update=update == 0))
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         if not (math.isfinite(losses[-1]) and math.isfinite(grad_norms[-1])):
             model.eval()
@@ -958,12 +1006,16 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     metrics = {"loss": np.mean(losses), "grad_norm": np.mean(grad_norms),
                "trust_region/blocked_frac": (blocked_pos + blocked_neg) / tokens,
                "trust_region/blocked_frac_pos_adv": blocked_pos / tokens,
-               "trust_region/blocked_frac_neg_adv": blocked_neg / tokens}
+               "trust_region/blocked_frac_neg_adv": blocked_neg / tokens,
+               "policy/rare_token_frac": stats.sum.pop("rare") / tokens,
+               "trust_region/blocked_rare_frac": stats.sum.pop("blocked_rare") / tokens}
+    if "blocked_also_by_tv" in stats.sum:
+        metrics["trust_region/blocked_also_by_tv_frac"] = stats.sum.pop("blocked_also_by_tv") / tokens
     for name, total in stats.sum.items():
         if name == "erc/kept":
             metrics["erc/kept_frac"] = total / tokens
         else:
-            metrics[f"{name}_mean"], metrics[f"{name}_max"] = total / tokens, stats.max[name]
+            metrics[f"{name}_mean"], metrics[f"{name}_max"] = total / stats.count[name], stats.max[name]
     return metrics
 
 
@@ -976,7 +1028,7 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
     for start in range(0, len(problems), batch_size):
         batch = problems[start : start + batch_size]
         inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
-        with autocast(model.device):
+        with autocast(model):
             sequences = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
         completion_ids = sequences[:, inputs.input_ids.shape[1]:]
         texts = decode(tokenizer, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id))
@@ -1082,6 +1134,7 @@ def main(argv=None) -> dict:
     if cfg.topk > vocabulary:
         fail(f"--topk {cfg.topk} is more than the model's {vocabulary} tokens")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    sampler = make_sampler(model, cfg.sampler_dtype)  # the policy itself unless --sampler_dtype is given
     reward_history = {}  # --advantage sas: per-prompt reward statistics across visits
     first_step, initial_accuracy = 1, None
     if resume_from:
@@ -1123,7 +1176,8 @@ def main(argv=None) -> dict:
             rollout_started = time.time()
             reset_peak_memory(device)
             prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
-            rollout = generate_rollout(model, tokenizer, prompts, cfg)
+            refresh_sampler(sampler, model)
+            rollout = generate_rollout(sampler, tokenizer, prompts, cfg)
             golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
             rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
             if cfg.advantage == "sas":

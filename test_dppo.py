@@ -606,6 +606,73 @@ def test_gradient_is_the_same_for_1_or_4_micro_batches(tiny_policy, objective, l
     assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4)
 
 
+def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(tiny_checkpoint):
+    model, tokenizer = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"))
+    assert dppo.make_sampler(model, "policy") is model
+    sampler = dppo.make_sampler(model, "bfloat16")
+    with torch.no_grad():  # as an optimizer step would: the sampler is stale until refreshed
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    assert not all(torch.equal(s, p.bfloat16()) for s, p in zip(sampler.parameters(), model.parameters()))
+    dppo.refresh_sampler(sampler, model)
+    for s, p in zip(sampler.parameters(), model.parameters()):
+        assert s.dtype == torch.bfloat16 and torch.equal(s, p.bfloat16())
+    rollout = sample((sampler, tokenizer), temperature=1.0, topk=5)
+    m = rollout.completion_mask.bool()
+
+    def sampled_logp(policy):
+        return teacher_forced_logp(policy, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m]
+
+    from_copy, from_policy = (rollout.logp_mu[m] - sampled_logp(sampler)).abs(), (rollout.logp_mu[m] - sampled_logp(model)).abs()
+    assert from_copy.max() <= 0.05  # bf16 rounding: the incremental KV-cache pass versus the teacher-forced one
+    assert from_copy.mean() < from_policy.mean() / 2  # mu is the bf16 copy's, not the fp32 policy's
+
+
+# The tiny random model's distributions are near uniform (p ~ 1/300), so |pi - mu| is small in absolute terms:
+# measured 3e-10 (fp32, the KV-cache pass versus the teacher-forced one) against 1.4e-6 (bf16).
+@pytest.mark.parametrize("sampler_dtype, low, high", [("float32", 0.0, 1e-8), ("bfloat16", 1e-7, 1e-3)])
+def test_first_update_mismatch_is_zero_with_an_fp32_sampler_and_not_with_bf16(tiny_policy, sampler_dtype, low, high):
+    model, tokenizer = tiny_policy
+    sampler = dppo.make_sampler(model, sampler_dtype)
+    rollout = sample((sampler, tokenizer), temperature=1.0, topk=5)
+    advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)  # measure only: the shared fixture must not move
+    metrics = dppo.update_policy(model, frozen, rollout, advantages, config(updates_per_step=1, micro_batch_size=6))
+    assert low <= metrics["policy/mismatch_first_update_mean"] <= high
+    assert "policy/drift_later_updates_mean" not in metrics  # M = 1: there is no later update
+
+
+def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    logp_mu = rollout.logp_mu.clone()
+    logp_mu[::2] = math.log(0.5)  # even rows: mu(a_t) = 0.5, not rare, and far from pi (about 1/300): TV > 0.15
+    rollout = dataclasses.replace(rollout, logp_mu=logp_mu)
+    m = rollout.completion_mask.bool()
+    p = teacher_forced_logp(model, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1).exp()
+    q, A_t = logp_mu.exp(), A[:, None].expand_as(p)
+    rare = q < 0.15
+    assert rare[m].sum() == m[1::2].sum() and (~rare)[m].sum() == m[::2].sum()
+    clipped = ((A_t > 0) & (p / q > 1.28)) | ((A_t < 0) & ((p / q < 0.8) | (p / q > 10)))
+    tv_blocked = ((p - q).abs() > 0.15) & (((A_t > 0) & (p > q)) | ((A_t < 0) & (p < q)))
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
+    metrics = dppo.update_policy(model, frozen, rollout, A, config(objective="ppo_clip", updates_per_step=1))
+    tokens = m.sum().item()
+    assert metrics["policy/rare_token_frac"] == pytest.approx(m[1::2].sum().item() / tokens)
+    assert metrics["trust_region/blocked_frac"] == pytest.approx(clipped[m].sum().item() / tokens)
+    assert 0 < (clipped & rare)[m].sum() < clipped[m].sum()  # the batch has rare and common clipped tokens
+    assert metrics["trust_region/blocked_rare_frac"] == pytest.approx((clipped & rare)[m].sum().item() / tokens)
+    assert 0 < (clipped & tv_blocked)[m].sum() < clipped[m].sum()
+    assert metrics["trust_region/blocked_also_by_tv_frac"] == pytest.approx((clipped & tv_blocked)[m].sum().item() / tokens)
+    mismatch = (p - q).abs()[m]
+    assert metrics["policy/mismatch_first_update_mean"] == pytest.approx(mismatch.mean().item(), rel=1e-5)
+    assert metrics["policy/mismatch_first_update_max"] == pytest.approx(mismatch.max().item(), rel=1e-5)
+    two = dppo.update_policy(model, frozen, rollout, A, config(objective="binary_tv", updates_per_step=2, micro_batch_size=4))
+    assert "trust_region/blocked_also_by_tv_frac" not in two  # only the clip objectives are compared with TV
+    first, later = two["policy/mismatch_first_update_mean"], two["policy/drift_later_updates_mean"]
+    assert min(first, later) < mismatch.mean().item() < max(first, later)  # each over its own half of the tokens
+
+
 def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
     model = tiny_policy[0]
     rollout, _ = hand_built_rollout(model.config.vocab_size)
@@ -1434,10 +1501,54 @@ def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
     rows = [line for line in table if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == dppo.OBJECTIVES
     for objective, row in zip(dppo.OBJECTIVES, rows):
-        evals = [r for r in map(json.loads, (tmp_path / objective / "metrics.jsonl").read_text().splitlines())
+        evals = [r for r in map(json.loads, (tmp_path / f"{objective}-seed0" / "metrics.jsonl").read_text().splitlines())
                  if "eval/accuracy" in r]
         assert [r["step"] for r in evals] == [0, 3]  # before and after training only
-        assert row.split(" | ")[1:3] == [f"{evals[0]['eval/accuracy']:.1%}", f"{evals[-1]['eval/accuracy']:.1%}"]
+        assert row.split(" | ")[1:3] == [f"{100 * evals[0]['eval/accuracy']:.1f}", f"{100 * evals[-1]['eval/accuracy']:.1f}"]
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def write_metrics(path: Path, accuracies, blocked, blocked_rare, lengths, also_by_tv=None):
+    """A hand-made metrics.jsonl: evaluations every 2 steps, and a step record per entry of `blocked`."""
+    path.mkdir(parents=True)
+    records = []
+    for step, (b, rare, n) in enumerate(zip(blocked, blocked_rare, lengths), start=1):
+        records.append({"step": step, "reward/mean": 0.5, "completion/length_mean": n, "completion/truncated": 0.1 * step,
+                        "policy/abs_pi_minus_mu_mean": 0.01 * step, "policy/abs_pi_minus_mu_max": 0.1 * step,
+                        "policy/mismatch_first_update_mean": 0.001, "policy/rare_token_frac": 0.2,
+                        "trust_region/blocked_frac": b, "trust_region/blocked_rare_frac": rare,
+                        **({"trust_region/blocked_also_by_tv_frac": also_by_tv} if also_by_tv is not None else {})})
+    records += [{"step": 2 * i, "eval/accuracy": a, "time/elapsed_s": 60.0 * i} for i, a in enumerate(accuracies)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["step"])))
+
+
+def test_a_study_report_has_mean_and_std_over_seeds_and_draws_the_curves(tmp_path):
+    write_metrics(tmp_path / "pg-seed0", [0.3, 0.1, 0.2], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20])
+    for seed, final in ((0, 0.5), (1, 0.7)):
+        write_metrics(tmp_path / f"ppo_clip-seed{seed}", [0.3, 0.4, final], blocked=[0.1, 0.3], blocked_rare=[0.05, 0.3],
+                      lengths=[10, 20], also_by_tv=0.05)
+    report = ["bash", str(HERE / "run_gsm8k.sh"), "--report", "--demo", "--out", str(tmp_path), "--objectives", "pg ppo_clip",
+              "--seeds", "0 1"]
+    (tmp_path / "pg-seed1").symlink_to(tmp_path / "pg-seed0")
+    result = subprocess.run(report, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = {row.split("`")[1]: row.strip("| ").split(" | ")[1:] for row in (tmp_path / "results.md").read_text().splitlines()
+            if row.startswith("| `")}
+    # before, final, lowest, truncated at the end, |pi-mu| at the end, its max, at update 1, blocked, rare among
+    # the blocked (weighted by tokens: (0.05*10 + 0.3*20) / (0.1*10 + 0.3*20)), rare among all, TV overlap, seconds
+    assert rows["pg"] == ["30.0 ± 0.0", "20.0 ± 0.0", "10.0 ± 0.0", "15.0 ± 0.0", "0.0150 ± 0.0000", "0.200 ± 0.000",
+                          "0.00100 ± 0.00000", "0.00 ± 0.00", "–", "20.0 ± 0.0", "–", "120 ± 0"]
+    assert rows["ppo_clip"][:3] == ["30.0 ± 0.0", "60.0 ± 14.1", "30.0 ± 0.0"]
+    assert rows["ppo_clip"][7:11] == ["20.00 ± 0.00", "92.9 ± 0.0", "20.0 ± 0.0", "21.4 ± 0.0"]  # (0.5 + 1) / 7
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    (tmp_path / "curves.png").unlink()  # without matplotlib: the table all the same, and one line on how to get the curves
+    (tmp_path / "no-matplotlib" / "matplotlib").mkdir(parents=True)
+    (tmp_path / "no-matplotlib" / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    result = subprocess.run(report, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path / "no-matplotlib")})
+    assert result.returncode == 0 and "pip install matplotlib" in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "curves.png").exists() and (tmp_path / "results.md").read_text().count("| `") == 2
 
 
 # ---------------------------------------------------------------------------- command line
