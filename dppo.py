@@ -919,8 +919,9 @@ class TokenStats:
         self.max[name] = max(self.max[name], values.max().item())
 
 
-# The paper's section 3 diagnostics: a token is "rare" when mu(a_t) < RARE_TOKEN_MU, and the clip objectives'
-# blocked tokens are compared with the ones a binary-TV mask at DIAGNOSTIC_TV_DELTA would have blocked.
+# Where a trust region bites (the DPPO paper argues that PPO's ratio clip falls mostly on low-probability
+# tokens, and a divergence mask does not): a token counts as rare when mu(a_t) < RARE_TOKEN_MU, and the clip
+# objectives' blocked tokens are compared with those a binary-TV mask at DIAGNOSTIC_TV_DELTA would block.
 RARE_TOKEN_MU = 0.15
 DIAGNOSTIC_TV_DELTA = 0.15
 

@@ -1523,6 +1523,8 @@ def write_metrics(path: Path, accuracies, blocked, blocked_rare, lengths, also_b
 
 
 def test_a_study_report_has_mean_and_std_over_seeds_and_draws_the_curves(tmp_path):
+    if importlib.util.find_spec("matplotlib") is None:
+        missing_test_asset("matplotlib is not installed (pip install matplotlib): the curves cannot be tested")
     write_metrics(tmp_path / "pg-seed0", [0.3, 0.1, 0.2], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20])
     for seed, final in ((0, 0.5), (1, 0.7)):
         write_metrics(tmp_path / f"ppo_clip-seed{seed}", [0.3, 0.4, final], blocked=[0.1, 0.3], blocked_rare=[0.05, 0.3],
