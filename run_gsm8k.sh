@@ -129,13 +129,13 @@ def run_summary(records):
             "seconds": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"]}
 
 
-def cell(runs, key, scale=1.0, digits=1):
+def cell(runs, key, scale=1.0, fmt=".1f"):
     values = [run[key] * scale for run in runs if run[key] is not None]
     if not values:
         return "–"
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}}"
 
 
 records = {(objective, seed): [json.loads(line) for line in (out / f"{objective}-seed{seed}" / "metrics.jsonl").open()]
@@ -149,9 +149,9 @@ print("|---" * 13 + "|")
 for objective in objectives:
     runs = [run_summary(records[objective, seed]) for seed in seeds]
     print(f"| `{objective}` | {cell(runs, 'before', 100)} | {cell(runs, 'final', 100)} | {cell(runs, 'lowest', 100)} | "
-          f"{cell(runs, 'truncated', 100)} | {cell(runs, 'drift', digits=4)} | {cell(runs, 'drift_max', digits=3)} | "
-          f"{cell(runs, 'mismatch', digits=5)} | {cell(runs, 'blocked', 100, 2)} | {cell(runs, 'rare_blocked', 100)} | "
-          f"{cell(runs, 'rare_all', 100)} | {cell(runs, 'tv_too', 100)} | {cell(runs, 'seconds', digits=0)} |")
+          f"{cell(runs, 'truncated', 100)} | {cell(runs, 'drift', fmt='.4f')} | {cell(runs, 'drift_max', fmt='.3f')} | "
+          f"{cell(runs, 'mismatch', fmt='.1e')} | {cell(runs, 'blocked', 100, '.2f')} | {cell(runs, 'rare_blocked', 100)} | "
+          f"{cell(runs, 'rare_all', 100)} | {cell(runs, 'tv_too', 100)} | {cell(runs, 'seconds', fmt='.0f')} |")
 
 try:
     import matplotlib

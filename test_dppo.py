@@ -1539,7 +1539,7 @@ def test_a_study_report_has_mean_and_std_over_seeds_and_draws_the_curves(tmp_pat
     # before, final, lowest, truncated at the end, |pi-mu| at the end, its max, at update 1, blocked, rare among
     # the blocked (weighted by tokens: (0.05*10 + 0.3*20) / (0.1*10 + 0.3*20)), rare among all, TV overlap, seconds
     assert rows["pg"] == ["30.0 ± 0.0", "20.0 ± 0.0", "10.0 ± 0.0", "15.0 ± 0.0", "0.0150 ± 0.0000", "0.200 ± 0.000",
-                          "0.00100 ± 0.00000", "0.00 ± 0.00", "–", "20.0 ± 0.0", "–", "120 ± 0"]
+                          "1.0e-03 ± 0.0e+00", "0.00 ± 0.00", "–", "20.0 ± 0.0", "–", "120 ± 0"]
     assert rows["ppo_clip"][:3] == ["30.0 ± 0.0", "60.0 ± 14.1", "30.0 ± 0.0"]
     assert rows["ppo_clip"][7:11] == ["20.00 ± 0.00", "92.9 ± 0.0", "20.0 ± 0.0", "21.4 ± 0.0"]  # (0.5 + 1) / 7
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
