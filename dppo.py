@@ -376,11 +376,10 @@ def check_model_source(name_or_path: str):
         return
     try:
         huggingface_hub.utils.validate_repo_id(name_or_path)
+        is_hub_id = not looks_like_a_path(name_or_path)
     except huggingface_hub.utils.HFValidationError:
-        looks_like_a_hub_id = False
-    else:
-        looks_like_a_hub_id = not looks_like_a_path(name_or_path)
-    if not looks_like_a_hub_id:
+        is_hub_id = False
+    if not is_hub_id:
         fail(f"--model {name_or_path}: no such directory")
     if not huggingface_hub.constants.HF_HUB_OFFLINE:
         require_hub(f"the model {name_or_path}")
