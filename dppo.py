@@ -967,10 +967,11 @@ def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg
             stats.add("tokens", m.float())
             stats.add("blocked_pos_adv", (blocked & (A > 0))[m].float())
             stats.add("blocked_neg_adv", (blocked & (A < 0))[m].float())
-            abs_pi_minus_mu = (logp.exp() - mb.logp_mu.exp()).abs()[m]
+            p, q = logp.exp(), mb.logp_mu.exp()
+            abs_pi_minus_mu = (p - q).abs()[m]
             stats.add("policy/abs_pi_minus_mu", abs_pi_minus_mu)
             stats.add("policy/mismatch_first_update" if first_update else "policy/drift_later_updates", abs_pi_minus_mu)
-            rare = mb.logp_mu.exp() < RARE_TOKEN_MU
+            rare = q < RARE_TOKEN_MU
             stats.add("rare", rare[m].float())
             stats.add("blocked_rare", (blocked & rare)[m].float())
             if cfg.objective in ("ppo_clip", "dcpo", "erc"):  # would DPPO's binary-TV mask have blocked them too?
