@@ -3,6 +3,7 @@
     python dppo.py                                    # offline demo: a built-in tiny model learns arithmetic on a CPU
     python dppo.py --objective topk_tv                # the same with DPPO's top-K TV trust region
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
+    torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # on 8 GPUs, sharded with FSDP2
 
 One training step (read the file top to bottom, in this order):
     config -> data -> model -> rollout -> rewards -> advantages -> objectives -> update -> evaluation -> main
@@ -27,11 +28,14 @@ Simplifications, stated once:
   - Every trust region is anchored to mu as recorded at sampling time, as DPPO prescribes; --recompute_old
     anchors to a recomputed old policy instead (the DPPO paper's ablation).
   - Rewards are binary; no KL penalty to a reference model; no entropy bonus.
-  - On CUDA the weights and AdamW stay fp32 and the forward passes run under bf16 autocast;
-    log-probs, ratios and losses are always computed in fp32. On CPU everything is fp32.
-  - One process, one device: no distributed training, no vLLM. Generation is plain `generate`, from the
-    policy itself, or with --sampler_dtype from a copy in bf16/fp16 that gets the trained weights before
-    every rollout, as an inference engine would: the training-inference mismatch, on a switch.
+  - On CUDA the weights and AdamW stay fp32 and the forward passes run in bf16 (autocast in one process,
+    FSDP2's mixed precision under torchrun); log-probs, ratios and losses are always computed in fp32.
+    On CPU everything is fp32.
+  - Under torchrun each process runs the whole loop on its share of every step (see "processes"); only
+    FSDP2 sharding, no tensor or pipeline parallelism, so a process holds the whole model (in bf16 on
+    GPUs) while it generates. No vLLM: generation is plain `generate`, from the policy itself, or with
+    --sampler_dtype from a copy in bf16/fp16 that gets the trained weights before every rollout, as an
+    inference engine would: the training-inference mismatch, on a switch.
   - The loss on the first (on-policy) update is ~0 by construction (r = 1 and advantages are centred
     per group): a flat loss curve is not a sign that nothing is learned. Watch reward and accuracy.
 """
@@ -50,6 +54,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +63,11 @@ import huggingface_hub.constants
 import huggingface_hub.utils
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -189,13 +198,18 @@ def check_config(cfg: Config):
         fail(f"--clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.samples_per_prompt < 2:
         fail(f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}")
-    rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step
+    if cfg.prompts_per_step % world:
+        fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: make it a multiple of {world}")
+    rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt // world  # completions per process
+    split = f" / {world} processes" if world > 1 else ""
     if rollout_batch % cfg.updates_per_step:
         fail(f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of "
-             f"{cfg.prompts_per_step} x {cfg.samples_per_prompt} = {rollout_batch} completions")
+             f"{cfg.prompts_per_step} x {cfg.samples_per_prompt}{split} = {rollout_batch} completions")
     minibatch = rollout_batch // cfg.updates_per_step
     if cfg.micro_batch_size < minibatch and minibatch % cfg.micro_batch_size:
-        fail(f"--micro_batch_size {cfg.micro_batch_size} does not divide the mini-batch of {minibatch} completions")
+        fail(f"--micro_batch_size {cfg.micro_batch_size} does not divide the mini-batch of {minibatch} completions"
+             + (" per process" if world > 1 else ""))
     if cfg.epochs < 0 or cfg.weight_decay < 0:
         fail("--epochs and --weight_decay must be >= 0")
 
@@ -336,8 +350,13 @@ def require_hub(what: str):
 
 
 def fail(message: str):
-    """A one-line error and exit status 2 (bad input), instead of a traceback."""
-    print(f"dppo.py: error: {message}", file=sys.stderr)
+    """A one-line error and exit status 2 (bad input), instead of a traceback. Under torchrun every process
+    meets the same bad input and exits, so none is left waiting for another, and rank 0 says why: the others
+    give it a few seconds first, because torchrun stops every process as soon as one has exited."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dppo.py: error: {message}", file=sys.stderr)
+    else:
+        time.sleep(5)
     sys.exit(2)
 
 
@@ -428,15 +447,17 @@ def make_sampler(model, sampler_dtype: str):
 
 @torch.no_grad()
 def refresh_sampler(sampler, model):
-    """Copy the trained weights into the sampler, cast to its dtype, before a rollout."""
+    """Copy the trained weights into the sampler, cast to its dtype, before a rollout (under torchrun every
+    process gathers the whole model into its own copy)."""
     if sampler is not model:
-        sampler.load_state_dict(model.state_dict())
+        sampler.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
 
 
 def autocast(model):
     """bf16 matmuls on CUDA with fp32 weights (fp32 master weights, no loss scaling needed); nothing on CPU,
-    nor for a sampler copy whose weights are already in the dtype it should run in."""
-    if model.device.type == "cuda" and model.dtype == torch.float32:
+    nor for a sampler copy whose weights are already in the dtype it should run in, nor under FSDP2, whose
+    mixed-precision policy casts the weights itself (see shard)."""
+    if model.device.type == "cuda" and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -456,7 +477,9 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     Prompts are left-padded and completions right-padded, so the T completion tokens sit in the last T
     columns and are predicted from the hidden states of the T columns before them. Position ids are
     passed explicitly, counted from each row's first real token, as generate() counted them. The
-    transformer body runs once; the output layer then runs on a chunk of positions at a time, under
+    transformer body runs once, through the model's own forward (so that FSDP2, under torchrun, gathers and
+    frees the weights as for any forward), asked for the logits of no position; the output layer then runs on
+    a chunk of positions at a time, under
     activation checkpointing, so no B x T x V logits tensor ever exists: each chunk's logits are dropped
     after use and recomputed in the backward pass. (This takes logits = lm_head(last hidden state), as in
     the Llama, Qwen and Mistral families; a model that rescales its logits would need that step too.)"""
@@ -464,8 +487,9 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     (B, T), K = completion_ids.shape, topk_ids.shape[-1] if topk_ids is not None else 0
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids).last_hidden_state
+    no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=no_position, output_hidden_states=True).hidden_states[-1]  # after the final norm
     hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)
     topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
     lm_head = model.get_output_embeddings()
@@ -574,6 +598,92 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
                 break
 
 
+# ============================================================================ processes
+# `torchrun --nproc_per_node N dppo.py ...` starts N copies of this file that share every RL step. Each samples,
+# scores and trains on P/N of the step's prompts (a GRPO group never spans two processes); FSDP2 shards the
+# weights, gradients and AdamW state over them; the few numbers that must be global (the loss normalisers,
+# the step's rewards, the metrics, the evaluation counts) are added up across processes; rank 0 alone prints
+# and writes files. `python dppo.py` starts no process group, and then every function here does nothing.
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes: (0, 1) unless started by torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def set_up_device(name: str) -> torch.device:
+    """The device to train on. Under torchrun, also join the process group: NCCL between GPUs, one per
+    process, or gloo between CPU processes."""
+    device = torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    if "LOCAL_RANK" in os.environ:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def shard(model):
+    """FSDP2 (torch.distributed.fsdp.fully_shard): each decoder layer is one unit, the root (embeddings, final
+    norm, output layer) another. Each process keeps 1/N of every parameter, of its gradient and of its AdamW
+    state; a unit's whole weights exist only while it computes. On GPUs the weights and AdamW stay fp32 and
+    compute runs in bf16, with gradients reduced in fp32; on CPUs everything is fp32."""
+    if not dist.is_initialized():
+        return model
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if model.device.type == "cuda" else MixedPrecisionPolicy()
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    # policy_logprobs asks for the hidden states, among them the layers' outputs, which FSDP2 returns as views and
+    # warns that an in-place write to them would be lost: nothing here writes to them.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for unit in fsdp_units(model):  # token_weights already divide by the whole mini-batch's count across
+        unit.set_gradient_divide_factor(1.0)  # processes, so their gradients add up, not average
+        unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def fsdp_units(model) -> list:
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+@contextlib.contextmanager
+def full_weights(model):
+    """Generation with whole weights: FSDP2 gathers a unit's shards before each of its forward passes and frees
+    them after, which in generate() is once per new token. Here every unit is gathered once, kept for the
+    whole generate call, and freed at the end. All processes enter together (the gathers are collective);
+    inside, each may generate as many tokens as it needs."""
+    units = fsdp_units(model)
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)  # FSDP2 keeps the root gathered in training
+
+
+def all_processes(values: list, op=dist.ReduceOp.SUM) -> list[float]:
+    """Numbers added up (or reduced with op) over all processes: the numbers themselves in a single process."""
+    if not dist.is_initialized():
+        return [float(value) for value in values]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    totals = torch.tensor([float(value) for value in values], dtype=torch.float64, device=device)
+    dist.all_reduce(totals, op=op)
+    return totals.tolist()
+
+
+def gathered(items: list) -> list:
+    """Every process's list, concatenated in rank order: the list itself in a single process."""
+    if not dist.is_initialized():
+        return items
+    lists = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, items)
+    return [item for items_of_rank in lists for item in items_of_rank]
+
+
 # ============================================================================ rollout
 
 class SamplingRecorder(LogitsProcessor):
@@ -669,7 +779,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
-    with autocast(model):
+    with full_weights(model), autocast(model):
         sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
                                    repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
                                    logits_processor=[recorder])
@@ -720,6 +830,15 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
         advantages.append(torch.where(SA_new.abs() < SA_tot.abs(), SA_new, SA_tot))
     return torch.cat(advantages)
 
+
+def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
+    """The whole step's rewards and advantages, in prompt order (P x G each), from this process's rewards. The
+    rewards are gathered from every process first (P x G numbers), so that DCPO's per-prompt history is the
+    same on every process, whichever saw a prompt on an earlier visit, and equals a single process's."""
+    all_rewards = torch.tensor(gathered(rewards))
+    if cfg.advantage == "sas":
+        return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
+    return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
 
 # ============================================================================ objectives
 # Every objective is a per-token loss l_t to minimise (SPEC §5), from fp32 log-probs: logp = log pi(a_t|s_t)
@@ -898,12 +1017,15 @@ def objective_loss(cfg: Config, logp, anchor: "Rollout", advantages, topk_logp, 
 
 def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     """Per-token weights w with sum(w * l) = the mini-batch's loss (SPEC §6). They are computed over the
-    whole mini-batch, so splitting it into micro-batches for memory does not change the update."""
+    whole mini-batch, so splitting it into micro-batches for memory does not change the update. Under torchrun
+    the whole mini-batch is every process's share of it: the counts are added up across processes (a
+    per-process count would weigh a token by how long its neighbours on the same process are)."""
     if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token of the mini-batch counts the same
-        return mask / mask.sum()
+        return mask / all_processes([mask.sum()])[0]
+    completions = all_processes([mask.shape[0]])[0]
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
-        return mask / mask.sum(1, keepdim=True) / mask.shape[0]
-    return mask / mask.shape[0]  # seq_sum: mean over completions of each one's token sum (DCPO's OTM)
+        return mask / mask.sum(1, keepdim=True) / completions
+    return mask / completions  # seq_sum: mean over completions of each one's token sum (DCPO's OTM)
 
 
 class TokenStats:
@@ -916,6 +1038,14 @@ class TokenStats:
         self.sum[name] += values.sum().item()
         self.count[name] += values.numel()
         self.max[name] = max(self.max[name], values.max().item())
+
+    def over_all_processes(self):
+        """Under torchrun: sums and counts added up over processes, maxima the largest."""
+        names = sorted(self.sum)
+        totals = all_processes([self.sum[name] for name in names] + [self.count[name] for name in names])
+        maxima = all_processes([self.max[name] for name in names], op=dist.ReduceOp.MAX)
+        for i, name in enumerate(names):
+            self.sum[name], self.count[name], self.max[name] = totals[i], totals[len(names) + i], maxima[i]
 
 
 # Where a trust region bites (the DPPO paper argues that PPO's ratio clip falls mostly on low-probability
@@ -993,8 +1123,8 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     losses, grad_norms, stats = [], [], TokenStats()
     for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats,
-                                          first_update=update == 0))
+        loss = accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats, first_update=update == 0)
+        losses.append(all_processes([loss])[0])  # each process's share of the mini-batch's loss
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         if not (math.isfinite(losses[-1]) and math.isfinite(grad_norms[-1])):
             model.eval()
@@ -1002,6 +1132,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                                      f"in update {len(losses)} of {cfg.updates_per_step}")
         optimizer.step()
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
+    stats.over_all_processes()
     tokens = stats.sum.pop("tokens")
     blocked_pos, blocked_neg = stats.sum.pop("blocked_pos_adv"), stats.sum.pop("blocked_neg_adv")
     metrics = {"loss": np.mean(losses), "grad_norm": np.mean(grad_norms),
@@ -1024,17 +1155,19 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int) -> float:
-    """Greedy accuracy: the fraction of problems whose greedy completion earns reward 1."""
-    correct = 0.0
-    for start in range(0, len(problems), batch_size):
-        batch = problems[start : start + batch_size]
-        inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
-        with autocast(model):
+    """Greedy accuracy: the fraction of problems whose greedy completion earns reward 1. Under torchrun each
+    process answers every N-th problem and the counts of correct answers are added up."""
+    rank, world = rank_and_world()
+    mine, correct = problems[rank::world], 0.0
+    with full_weights(model), autocast(model):
+        for start in range(0, len(mine), batch_size):
+            batch = mine[start : start + batch_size]
+            inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
             sequences = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-        completion_ids = sequences[:, inputs.input_ids.shape[1]:]
-        texts = decode(tokenizer, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id))
-        correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
-    return correct / len(problems)
+            completion_ids = sequences[:, inputs.input_ids.shape[1]:]
+            texts = decode(tokenizer, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id))
+            correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
+    return all_processes([correct])[0] / len(problems)
 
 
 # ============================================================================ main
@@ -1071,36 +1204,102 @@ def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> lis
     return order[position * batch_size : (position + 1) * batch_size]
 
 
+def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems: list[dict], reward_history: dict,
+            cfg: Config) -> dict:
+    """One RL step, the docstring's steps 1-4, on this process's share of the step's prompts; returns its metrics,
+    each over all processes."""
+    rank, world = rank_and_world()
+    P, G = cfg.prompts_per_step, cfg.samples_per_prompt
+    indices = problem_batch(len(train_problems), P, cfg.seed, step)
+    problems = [train_problems[i] for i in indices[rank * P // world : (rank + 1) * P // world]]  # whole groups
+    started = time.time()
+    reset_peak_memory(model.device)
+    refresh_sampler(sampler, model)
+    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)], cfg)
+    rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, [p for p in problems for _ in range(G)])]
+    all_rewards, all_advantages = step_advantages(rewards, indices, reward_history, cfg)
+    rollout_s, rollout_peak_mb = time.time() - started, peak_memory_mb(model.device)
+    started = time.time()
+    reset_peak_memory(model.device)
+    stats = update_policy(model, optimizer, rollout, all_advantages.chunk(world)[rank], cfg)
+    update_s, update_peak_mb = time.time() - started, peak_memory_mb(model.device)
+    mask = rollout.completion_mask
+    eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
+    completions, answers, tokens, truncated, entropy = all_processes([
+        len(rollout.texts), sum(extract_answer(text) is not None for text in rollout.texts), mask.sum(),
+        (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum(), (rollout.entropy_mu * mask).sum()])
+    peaks = all_processes([rollout_peak_mb, update_peak_mb], op=dist.ReduceOp.MAX)  # the largest process's
+    # Each completion token is generated once and trained on once (it is in one mini-batch).
+    return {"step": step,
+            "reward/mean": all_rewards.mean().item(),
+            "reward/zero_spread_groups": (all_rewards.view(-1, G).std(1) == 0).float().mean().item(),
+            "reward/answer_found": answers / completions,
+            "completion/length_mean": tokens / completions,
+            "completion/truncated": truncated / completions,
+            "policy/entropy_mu": entropy / tokens,
+            "advantage/nonzero_frac": (all_advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
+            **stats,
+            "time/rollout_s": rollout_s,
+            "time/update_s": update_s,
+            "throughput/generated_tokens_per_s": tokens / rollout_s,
+            "throughput/trained_tokens_per_s": tokens / update_s,
+            "memory/rollout_peak_mb": peaks[0],
+            "memory/update_peak_mb": peaks[1]}
+
+
+def save_model(model, tokenizer, directory: Path):
+    """A save_pretrained checkpoint of the whole model, which --model loads in one process. Under torchrun every
+    process hands in its shards and rank 0 writes."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank_and_world()[0] == 0:
+        model.save_pretrained(directory, state_dict=weights)
+        tokenizer.save_pretrained(directory)
+
+
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """Everything the run needs to go on exactly as if uninterrupted, in <run_dir>/checkpoint. Written to a
-    temporary directory first and then renamed into place, so a crash mid-write leaves the last one whole."""
+    """Everything the run needs to go on exactly as if uninterrupted, in <run_dir>/checkpoint: the model, AdamW's
+    state (whole, gathered from every process), the step, SAS's history and every process's random streams.
+    Written to a temporary directory first and then renamed into place, so a crash mid-write leaves the last
+    one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "reward_history": reward_history,
-                "initial_accuracy": initial_accuracy, "python_rng": random.getstate(), "numpy_rng": np.random.get_state(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-               partial / "training_state.pt")
-    if final.exists():
-        final.rename(old)
-    partial.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    rank = rank_and_world()[0]
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    save_model(model, tokenizer, partial)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    random_states = gathered([{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}])
+    if rank == 0:
+        torch.save({"step": step, "optimizer": optimizer_state, "reward_history": reward_history,
+                    "initial_accuracy": initial_accuracy, "random_states": random_states}, partial / "training_state.pt")
+        if final.exists():
+            final.rename(old)
+        partial.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
 
 
-def restore_random_states(state: dict):
-    random.setstate(state["python_rng"])
-    np.random.set_state(state["numpy_rng"])
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
+    """AdamW's state and this process's random streams from a checkpoint (the model was loaded from it);
+    returns the step to go on from, the accuracy before training and SAS's history."""
+    state = torch.load(checkpoint / "training_state.pt", weights_only=False)  # our own file: optimizer, RNG states
+    rank, world = rank_and_world()
+    if len(state["random_states"]) != world:
+        fail(f"--resume: the checkpoint in {checkpoint} was written by {len(state['random_states'])} processes, "
+             f"and this run has {world}; resume with as many")
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    streams = state["random_states"][rank]
+    random.setstate(streams["python"])
+    np.random.set_state(streams["numpy"])
+    torch.set_rng_state(streams["torch"])
+    if streams["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(streams["cuda"])
+    return state["step"] + 1, state["initial_accuracy"], state["reward_history"]
 
 
 def writable_directory(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".dppo-write-test"
+        probe = path / f".dppo-write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
@@ -1108,12 +1307,29 @@ def writable_directory(path: Path) -> Path:
     return path
 
 
+def log(metrics_file, record: dict):
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()  # a line at a time: an interrupted run keeps every step it finished
+
+
+STOP_REQUESTED = []  # set by Ctrl-C
+
+
+def stop_after_this_step(signum, frame):
+    """Ctrl-C lets the current step finish, saves a checkpoint and stops; a second Ctrl-C stops at once."""
+    if STOP_REQUESTED:
+        raise KeyboardInterrupt
+    STOP_REQUESTED.append(True)
+    print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
+
+
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    device = set_up_device(cfg.device)
+    rank, _ = rank_and_world()
+    random.seed(cfg.seed + rank)  # each process draws its own samples; rank 0 draws what one process would
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
     started = time.time()
 
     output_dir = writable_directory(Path(cfg.output_dir))
@@ -1134,104 +1350,53 @@ def main(argv=None) -> dict:
     vocabulary = model.get_output_embeddings().weight.shape[0]
     if cfg.topk > vocabulary:
         fail(f"--topk {cfg.topk} is more than the model's {vocabulary} tokens")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sampler = make_sampler(model, cfg.sampler_dtype)  # the policy itself unless --sampler_dtype is given
-    reward_history = {}  # --advantage sas: per-prompt reward statistics across visits
-    first_step, initial_accuracy = 1, None
-    if resume_from:
-        state = torch.load(resume_from / "training_state.pt", weights_only=False)  # our own file: optimizer, RNG states
-        optimizer.load_state_dict(state["optimizer"])
-        restore_random_states(state)
-        first_step, initial_accuracy, reward_history = state["step"] + 1, state["initial_accuracy"], state["reward_history"]
-    metrics_file = open(output_dir / "metrics.jsonl", "a" if resume_from else "w")
-
-    def log(record: dict):
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()  # a line at a time: an interrupted run keeps every step it finished
-
-    def run_eval(step: int) -> float:
-        accuracy = evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size)
-        log({"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started})
-        return accuracy
-
-    # Ctrl-C lets the current step finish, saves a checkpoint and stops; a second Ctrl-C stops at once.
-    interrupted = []
-
-    def on_ctrl_c(signum, frame):
-        if interrupted:
-            raise KeyboardInterrupt
-        interrupted.append(True)
-        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
-
-    G, P = cfg.samples_per_prompt, cfg.prompts_per_step
-    steps = cfg.epochs * (len(train_problems) // P) if cfg.epochs > 0 else cfg.steps
+    model = shard(model)  # under torchrun
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from \
+        else (1, None, {})  # reward_history: --advantage sas's per-prompt reward statistics across visits
+    metrics_file = open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w")
+    steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
+    evaluation = dict(problems=held_out, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
     if initial_accuracy is None:
-        initial_accuracy = run_eval(step=0)
+        initial_accuracy = evaluate(model, tokenizer, **evaluation)
+        log(metrics_file, {"step": 0, "eval/accuracy": initial_accuracy, "time/elapsed_s": time.time() - started})
     accuracy = initial_accuracy
-    previous_handler = signal.signal(signal.SIGINT, on_ctrl_c)
+    STOP_REQUESTED.clear()
+    previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
     try:
-        progress = tqdm(range(first_step, steps + 1), desc=cfg.objective, dynamic_ncols=True)
+        progress = tqdm(range(first_step, steps + 1), desc=cfg.objective, dynamic_ncols=True, disable=rank != 0)
         for step in progress:
-            indices = problem_batch(len(train_problems), P, cfg.seed, step)
-            problems = [train_problems[i] for i in indices]
-            rollout_started = time.time()
-            reset_peak_memory(device)
-            prompts = [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
-            refresh_sampler(sampler, model)
-            rollout = generate_rollout(sampler, tokenizer, prompts, cfg)
-            golds = [extract_gold(p["answer"]) for p in problems for _ in range(G)]
-            rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
-            if cfg.advantage == "sas":
-                advantages = sas_advantages(rewards, G, indices, reward_history)
-            else:
-                advantages = grpo_advantages(rewards, G, cfg.scale_rewards)
-            rollout_s, rollout_peak_mb = time.time() - rollout_started, peak_memory_mb(device)
-            update_started = time.time()
-            reset_peak_memory(device)
             try:
-                stats = update_policy(model, optimizer, rollout, advantages, cfg)
+                metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
             except FloatingPointError as error:
-                model.save_pretrained(output_dir)
-                tokenizer.save_pretrained(output_dir)
+                save_model(model, tokenizer, output_dir)
                 sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before "
                          f"that optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}")
-            update_s, update_peak_mb = time.time() - update_started, peak_memory_mb(device)
-            mask = rollout.completion_mask
-            completion_tokens = mask.sum().item()  # generated once, then trained on once (each is in one mini-batch)
-            eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
-            log({"step": step,
-                 "reward/mean": rewards.mean().item(),
-                 "reward/zero_spread_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
-                 "reward/answer_found": sum(extract_answer(text) is not None for text in rollout.texts) / len(rollout.texts),
-                 "completion/length_mean": mask.sum(1).mean().item(),
-                 "completion/truncated": 1 - torch.isin(rollout.completion_ids, eos_ids).any(1).float().mean().item(),
-                 "policy/entropy_mu": ((rollout.entropy_mu * mask).sum() / mask.sum()).item(),
-                 "advantage/nonzero_frac": (advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
-                 **stats,
-                 "time/rollout_s": rollout_s,
-                 "time/update_s": update_s,
-                 "time/elapsed_s": time.time() - started,
-                 "throughput/generated_tokens_per_s": completion_tokens / rollout_s,
-                 "throughput/trained_tokens_per_s": completion_tokens / update_s,
-                 "memory/rollout_peak_mb": rollout_peak_mb,
-                 "memory/update_peak_mb": update_peak_mb})
+            log(metrics_file, {**metrics, "time/elapsed_s": time.time() - started})
             if step % cfg.eval_every == 0 or step == steps:
-                accuracy = run_eval(step)
-            progress.set_postfix(reward=f"{rewards.mean():.2f}", acc=f"{accuracy:.2f}", blocked=f"{stats['trust_region/blocked_frac']:.3f}",
-                                 gen_tok_s=f"{completion_tokens / rollout_s:.0f}", train_tok_s=f"{completion_tokens / update_s:.0f}")
-            if (cfg.save_every and step % cfg.save_every == 0) or interrupted:
+                accuracy = evaluate(model, tokenizer, **evaluation)
+                log(metrics_file, {"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started})
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{accuracy:.2f}",
+                                 blocked=f"{metrics['trust_region/blocked_frac']:.3f}",
+                                 gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
+                                 train_tok_s=f"{metrics['throughput/trained_tokens_per_s']:.0f}")
+            stop = all_processes([len(STOP_REQUESTED)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
+            if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
-            if interrupted:
+            if stop:
                 sys.exit(f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}")
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         metrics_file.close()
 
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
-          f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
-          f"metrics and model in {output_dir}")
+    save_model(model, tokenizer, output_dir)
+    if rank == 0:
+        print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
+              f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
+              f"metrics and model in {output_dir}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return {"initial_accuracy": initial_accuracy, "final_accuracy": accuracy}
 
 

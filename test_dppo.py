@@ -1580,3 +1580,154 @@ def test_objective_defaults_give_way_to_typed_flags():
 def test_help_exits_zero():
     result = subprocess.run([sys.executable, str(HERE / "dppo.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--objective" in result.stdout
+
+
+# ---------------------------------------------------------------------------- torchrun: N processes, one update
+
+def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node 2 ARGS` on this CPU (gloo). A hang fails the test: torchrun is then
+    sent SIGTERM, which it passes on to its workers."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *map(str, args)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            process.communicate(timeout=60)
+            pytest.fail(f"torchrun {' '.join(map(str, args))} still running after {timeout} s: a process hangs")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+EQUIVALENCE_CASES = [(objective, loss_agg) for objective in ("ppo_clip", "binary_tv")
+                     for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_sum")]
+
+
+def equivalence_batch(model) -> tuple:
+    """8 completions, the first 4 (process 0's share on 2 processes) 2-3 tokens long, the last 4 (process 1's)
+    11-14 tokens long, so that any per-process normaliser differs from the global one; prompts of different
+    lengths; log mu = the model's own log-probs plus noise, and 0.5 in every third column, so that the trust
+    regions bind on some tokens."""
+    generator = torch.Generator().manual_seed(0)
+    lengths, prompt_lengths = [2, 3, 2, 3, 11, 14, 12, 13], [5, 3, 4, 5, 2, 5, 3, 4]
+    B, Lp, T, K = 8, 5, 14, 3
+    prompt_ids = torch.randint(2, 200, (B, Lp), generator=generator)
+    prompt_mask = (torch.arange(Lp) >= Lp - torch.tensor(prompt_lengths)[:, None]).long()
+    completion_mask = (torch.arange(T) < torch.tensor(lengths)[:, None]).float()
+    completion_ids = torch.randint(2, 200, (B, T), generator=generator) * completion_mask.long()
+    with torch.no_grad():
+        logp, _, _ = dppo.policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
+    logp_mu = (logp + 0.7 * torch.randn(B, T, generator=generator)).clamp(max=-1e-3)
+    logp_mu[:, ::3] = math.log(0.5)  # far above the random model's pi ~ 1/300: the binary TV is large there
+    topk_ids = torch.cat([completion_ids[..., None], torch.randint(200, 300, (B, T, K - 1), generator=generator)], -1)
+    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logp_mu, topk_ids,
+                           logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T), ["text"] * B)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 1.0, -1.0])
+    return rollout, advantages
+
+
+def one_update(checkpoint, objective: str, loss_agg: str) -> tuple[dict, dict]:
+    """One SGD step (lr 1, no gradient clipping, so that a wrong gradient scale shows) on equivalence_batch, in
+    this process's share of it. Returns the whole updated weights and the step's metrics."""
+    rank, world = dppo.rank_and_world()
+    model, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
+    rollout, advantages = equivalence_batch(model)
+    mine = torch.arange(8).chunk(world)[rank]
+    model = dppo.shard(model)
+    cfg = config(objective=objective, loss_agg=loss_agg, updates_per_step=1, micro_batch_size=2, max_grad_norm=1e9)
+    metrics = dppo.update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), rollout.rows(mine), advantages[mine], cfg)
+    return dppo.get_model_state_dict(model, options=dppo.StateDictOptions(full_state_dict=True, cpu_offload=True)), metrics
+
+
+SAS_VISITS = [[0, 1, 2, 3], [2, 3, 0, 1], [3, 0, 1, 2]]  # prompts change processes between visits
+
+
+def sas_rewards(visit: int) -> torch.Tensor:
+    """Rewards for the 4 prompts x 4 samples of a visit, in prompt order."""
+    return torch.tensor([[(visit + prompt + sample) % 3 == 0 for sample in range(4)] for prompt in range(4)]).float().flatten()
+
+
+def distributed_checks(checkpoint, out):
+    """Run under torchrun by test_distributed_checks: every equivalence case, then SAS over 3 visits."""
+    dppo.set_up_device("cpu")
+    rank, world = dppo.rank_and_world()
+    results = {case: one_update(checkpoint, *case) for case in EQUIVALENCE_CASES}
+    history, cfg, advantages = {}, config(advantage="sas", samples_per_prompt=4, prompts_per_step=4), []
+    for visit, indices in enumerate(SAS_VISITS):
+        _, all_advantages = dppo.step_advantages(sas_rewards(visit).chunk(world)[rank].tolist(), indices, history, cfg)
+        advantages.append(all_advantages)
+    if rank == 0:
+        torch.save({"results": results, "sas": advantages}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def two_process_results(tiny_checkpoint, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("torchrun") / "results.pt"
+    script = out.with_name("checks.py")
+    script.write_text(f"import test_dppo\ntest_dppo.distributed_checks({str(tiny_checkpoint)!r}, {str(out)!r})\n")
+    result = torchrun(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("objective, loss_agg", EQUIVALENCE_CASES)
+def test_one_update_on_two_processes_equals_one_process(tiny_checkpoint, two_process_results, objective, loss_agg):
+    weights, metrics = two_process_results["results"][(objective, loss_agg)]
+    expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg)
+    before = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint).state_dict()
+    assert max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2  # the update is large enough to see
+    for name in expected_weights:
+        assert torch.allclose(weights[name], expected_weights[name], atol=1e-5, rtol=0), name
+    assert metrics["trust_region/blocked_frac"] > 0  # the trust region binds on some tokens
+    for name in ("loss", "grad_norm", "trust_region/blocked_frac", "policy/abs_pi_minus_mu_mean",
+                 "policy/abs_pi_minus_mu_max", "policy/rare_token_frac"):
+        assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
+
+
+def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
+    history = {}
+    for visit, (indices, advantages) in enumerate(zip(SAS_VISITS, two_process_results["sas"])):
+        expected = dppo.sas_advantages(sas_rewards(visit), 4, indices, history)
+        assert torch.allclose(advantages, expected, atol=1e-6), visit
+    assert history[SAS_VISITS[0][0]][0] == 3  # every prompt seen 3 times
+
+
+def two_process_demo(demo_cache, out, *flags) -> subprocess.CompletedProcess:
+    result = torchrun(HERE / "dppo.py", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
+                      "--micro_batch_size", "8", "--eval_n", "21", "--eval_every", "2", "--objective", "dcpo",
+                      "--output_dir", out, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_two_process_demo_runs_saves_one_model_and_resumes_exactly(demo_cache, tmp_path):
+    """dcpo, so that SAS's history crosses processes and the interruption; 21 held-out problems, split 11 + 10."""
+    two_process_demo(demo_cache, tmp_path / "whole", "--steps", "4")
+    two_process_demo(demo_cache, tmp_path / "halves", "--steps", "2", "--save_every", "2")
+    two_process_demo(demo_cache, tmp_path / "halves", "--steps", "4", "--resume", tmp_path / "halves")
+    whole, halves = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                     for run in ("whole", "halves"))
+    assert [r["step"] for r in whole] == [0, 1, 2, 2, 3, 4, 4]  # one writer: each record once
+    assert all(math.isfinite(v) for r in whole for v in r.values())
+    assert comparable(halves) == comparable(whole)
+    model, tokenizer = dppo.load_policy(str(tmp_path / "whole"), torch.device("cpu"))  # in one process
+    initial, _ = dppo.load_policy(dppo.build_tiny_model(demo_cache), torch.device("cpu"))
+    held_out = dppo.arithmetic_problems()["test"][:21]
+    assert whole[0]["eval/accuracy"] == dppo.evaluate(initial, tokenizer, held_out, 16, 250)  # counts added up right
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), initial.state_dict().values()))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prompts_per_step", "7"], "--prompts_per_step 7 cannot be split over 2 processes"),
+    (["--updates_per_step", "32"], "--updates_per_step 32 does not divide the rollout batch of 8 x 4 / 2 processes = 16"),
+    (["--micro_batch_size", "3"], "--micro_batch_size 3 does not divide the mini-batch of 8 completions per process"),
+])
+def test_bad_input_under_torchrun_is_one_line_and_exit_2_everywhere_without_a_hang(tmp_path, flags, says):
+    result = torchrun(HERE / "dppo.py", "--prompts_per_step", "8", "--samples_per_prompt", "4", "--updates_per_step", "2",
+                      "--output_dir", tmp_path, *flags, timeout=120)
+    ours = [line for line in result.stderr.splitlines() if "dppo.py: error" in line]
+    assert len(ours) == 1 and says in ours[0], result.stderr[-3000:]
+    # torchrun's report: rank 0 exited with status 2 first (torchrun then stops the other, which was waiting to exit 2)
+    root_cause = result.stderr.split("Root Cause")[1]
+    assert result.returncode != 0 and "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, result.stderr[-3000:]
