@@ -1320,7 +1320,8 @@ def stop_after_this_step(signum, frame):
     if STOP_REQUESTED:
         raise KeyboardInterrupt
     STOP_REQUESTED.append(True)
-    print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
+    if rank_and_world()[0] == 0:
+        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
 
 
 def main(argv=None) -> dict:
@@ -1372,7 +1373,8 @@ def main(argv=None) -> dict:
             except FloatingPointError as error:
                 save_model(model, tokenizer, output_dir)
                 sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before "
-                         f"that optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}")
+                         f"that optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}"
+                         if rank == 0 else 1)
             log(metrics_file, {**metrics, "time/elapsed_s": time.time() - started})
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluate(model, tokenizer, **evaluation)
@@ -1385,7 +1387,8 @@ def main(argv=None) -> dict:
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
-                sys.exit(f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}")
+                sys.exit(f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}"
+                         if rank == 0 else 1)
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         metrics_file.close()
