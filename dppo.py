@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # on 8 GPUs, sharded with FSDP2
 
 One training step (read the file top to bottom, in this order):
-    config -> data -> model -> rollout -> rewards -> advantages -> objectives -> update -> evaluation -> main
+    config -> data -> model -> processes (torchrun) -> rollout -> rewards -> advantages -> objectives -> update
+    -> evaluation -> main
     1. rollout: P prompts x G samples in one batched Hugging Face `generate`. While sampling we record,
        per completion token, the distribution mu it was drawn from: log mu(sampled token), mu's top-K ids
        and log-probs (sampled token always included), and mu's entropy. Full-vocabulary logits are kept
@@ -21,8 +22,8 @@ One training step (read the file top to bottom, in this order):
        on-policy; every trust region acts on updates 2..M. The training forward pass computes the
        output layer a chunk of positions at a time, so no B x T x V logits tensor exists here either.
 
-Marks like (SPEC §5) point to the sections of the method specification this file is written against;
-every formula also names the paper it comes from.
+Every formula names the paper (arXiv id) and equation it comes from; the README's objectives table maps
+each --objective to its paper.
 
 Simplifications, stated once:
   - Every trust region is anchored to mu as recorded at sampling time, as DPPO prescribes; --recompute_old
@@ -47,6 +48,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -61,7 +63,6 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import huggingface_hub.utils
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -92,27 +93,27 @@ class Config:
     dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), another Hub dataset name, 'arithmetic' (generated in "
                                     "code), a JSONL file with question/answer fields, or a directory: saved with "
                                     "datasets' save_to_disk, or holding train.jsonl and test.jsonl")
-    objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (SPEC §5; README has the paper map)",
+    objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (the README maps each to its paper)",
                              choices=OBJECTIVES)
     # --- rollout: sampling from mu ---
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
-    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (SPEC §3)")
+    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (DPPO's top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from the trained policy itself ('policy'), or from a copy of it in this "
                                            "dtype, refreshed from the trained weights before every rollout as an "
                                            "inference engine receives them: the training-inference mismatch on a switch",
                                  choices=["policy", "float32", "bfloat16", "float16"])
     # --- advantages and loss aggregation (shared by every objective) ---
     advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage "
-                                     "standardisation, with per-prompt reward history across visits (SPEC §4)",
+                                     "standardisation, with per-prompt reward history across visits (arXiv 2509.02333)",
                              choices=["grpo", "sas"])
     scale_rewards: str = setting("group", "GRPO advantage: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
                                  choices=["group", "none"])
-    loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (SPEC §6)",
+    loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
                             choices=["token_mean", "seq_mean_token_mean", "seq_sum"])
-    # --- trust regions (SPEC §5); each objective reads only its own ---
+    # --- trust regions; each objective reads only its own ---
     clip_low: float = setting(0.2, "ppo_clip, erc: ratio clipped below at 1 - eps_low; dcpo: eps_low of its bounds")
     clip_high: float = setting(0.28, "ppo_clip, erc: ratio clipped above at 1 + eps_high (DAPO clip-higher); dcpo: eps_high")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
@@ -148,8 +149,8 @@ class Config:
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
 
-# Defaults that belong to a method rather than to the run (SPEC §5): DCPO is SAS advantages plus its
-# "only token mean" aggregation, and DPPO's KL variants use a smaller threshold than its TV variants.
+# Defaults that belong to a method rather than to the run: DCPO (arXiv 2509.02333) is SAS advantages plus its
+# "only token mean" aggregation, and DPPO's KL variants (arXiv 2602.04879) use a smaller threshold than its TV ones.
 OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
                       "binary_kl": dict(delta_low=0.05, delta_high=0.05),
                       "topk_kl": dict(delta_low=0.05, delta_high=0.05)}
@@ -202,10 +203,9 @@ def check_config(cfg: Config):
     if cfg.prompts_per_step % world:
         fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: make it a multiple of {world}")
     rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt // world  # completions per process
-    split = f" / {world} processes" if world > 1 else ""
     if rollout_batch % cfg.updates_per_step:
-        fail(f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of "
-             f"{cfg.prompts_per_step} x {cfg.samples_per_prompt}{split} = {rollout_batch} completions")
+        fail(f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of {cfg.prompts_per_step} x "
+             f"{cfg.samples_per_prompt}{f' / {world} processes' if world > 1 else ''} = {rollout_batch} completions")
     minibatch = rollout_batch // cfg.updates_per_step
     if cfg.micro_batch_size < minibatch and minibatch % cfg.micro_batch_size:
         fail(f"--micro_batch_size {cfg.micro_batch_size} does not divide the mini-batch of {minibatch} completions"
@@ -478,10 +478,9 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     columns and are predicted from the hidden states of the T columns before them. Position ids are
     passed explicitly, counted from each row's first real token, as generate() counted them. The
     transformer body runs once, through the model's own forward (so that FSDP2, under torchrun, gathers and
-    frees the weights as for any forward), asked for the logits of no position; the output layer then runs on
-    a chunk of positions at a time, under
-    activation checkpointing, so no B x T x V logits tensor ever exists: each chunk's logits are dropped
-    after use and recomputed in the backward pass. (This takes logits = lm_head(last hidden state), as in
+    frees the weights as for any forward) asked for the logits of no position; the output layer then runs on
+    a chunk of positions at a time, under activation checkpointing, so no B x T x V logits tensor ever
+    exists: each chunk's logits are dropped after use and recomputed in the backward pass. (This takes logits = lm_head(last hidden state), as in
     the Llama, Qwen and Mistral families; a model that rescales its logits would need that step too.)"""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
@@ -599,11 +598,10 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
 
 
 # ============================================================================ processes
-# `torchrun --nproc_per_node N dppo.py ...` starts N copies of this file that share every RL step. Each samples,
-# scores and trains on P/N of the step's prompts (a GRPO group never spans two processes); FSDP2 shards the
-# weights, gradients and AdamW state over them; the few numbers that must be global (the loss normalisers,
-# the step's rewards, the metrics, the evaluation counts) are added up across processes; rank 0 alone prints
-# and writes files. `python dppo.py` starts no process group, and then every function here does nothing.
+# `torchrun --nproc_per_node N dppo.py ...` starts N copies of this file that share every RL step: each samples,
+# scores and trains on P/N of the step's prompts; FSDP2 shards the weights, gradients and AdamW state; the
+# numbers that must be global (loss normalisers, rewards, metrics, evaluation counts) are added up across
+# processes; rank 0 alone prints and writes. Without torchrun there is no process group: all of it is a no-op.
 
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the number of processes: (0, 1) unless started by torchrun."""
@@ -631,29 +629,21 @@ def shard(model):
         return model
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if model.device.type == "cuda" else MixedPrecisionPolicy()
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mp_policy=precision)
-    fully_shard(model, mp_policy=precision)
-    # policy_logprobs asks for the hidden states, among them the layers' outputs, which FSDP2 returns as views and
-    # warns that an in-place write to them would be lost: nothing here writes to them.
+    # policy_logprobs's hidden states include the layers' outputs, views that nothing here writes to in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for unit in fsdp_units(model):  # token_weights already divide by the whole mini-batch's count across
-        unit.set_gradient_divide_factor(1.0)  # processes, so their gradients add up, not average
-        unit.set_force_sum_reduction_for_comms(True)
+    for unit in [*model.get_decoder().layers, model]:  # each decoder layer, then the root
+        fully_shard(unit, mp_policy=precision)
+        unit.set_gradient_divide_factor(1.0)  # token_weights divide by the whole mini-batch's count across
+        unit.set_force_sum_reduction_for_comms(True)  # processes, so their gradients add up, not average
     return model
-
-
-def fsdp_units(model) -> list:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Generation with whole weights: FSDP2 gathers a unit's shards before each of its forward passes and frees
-    them after, which in generate() is once per new token. Here every unit is gathered once, kept for the
-    whole generate call, and freed at the end. All processes enter together (the gathers are collective);
-    inside, each may generate as many tokens as it needs."""
-    units = fsdp_units(model)
+    """Generate with whole weights, gathered once for the call and freed after it (FSDP2 alone would gather each
+    unit before every forward pass, i.e. per new token). All processes enter together (the gathers are
+    collective); inside, each may generate as many tokens as it needs."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for unit in units:
         unit.unshard()
         unit.set_reshard_after_forward(False, recurse=False)
@@ -687,7 +677,7 @@ def gathered(items: list) -> list:
 # ============================================================================ rollout
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu, the distribution generate() samples each token from, one decoding step at a time (SPEC §3).
+    """Records mu, the distribution generate() samples each token from, one decoding step at a time.
 
     generate() runs logits processors on the raw logits, before its own temperature warper, so we
     divide by T here: mu = softmax(logits / T), which is exactly what is sampled with top_k=0, top_p=1.
@@ -775,7 +765,7 @@ def decode(tokenizer, completion_ids, mask) -> list[str]:
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """Sample one completion per prompt (repeat a prompt G times for a group), recording mu as it goes.
-    Every sampling setting is passed explicitly (SPEC §3 pitfalls): generate(do_sample=True) would
+    Every sampling setting is passed explicitly: generate(do_sample=True) would
     otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
@@ -797,7 +787,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-6):
     """GRPO (arXiv 2402.03300, §4.1.2): A_j = (R_j - mean(R)) / (std(R) + eps) over the G completions of
-    one prompt, Bessel-corrected std (SPEC §4). scale_rewards='none' only centres: A_j = R_j - mean(R)
+    one prompt, Bessel-corrected std. scale_rewards='none' only centres: A_j = R_j - mean(R)
     (Dr. GRPO, arXiv 2503.20783). A group whose rewards are all equal gets A = 0: it teaches nothing."""
     groups = rewards.view(-1, group_size)
     advantages = groups - groups.mean(1, keepdim=True)
@@ -807,7 +797,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
 
 
 def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
-    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333, the SAS equations; SPEC §4). Each prompt keeps, across
+    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333, its SAS equations). Each prompt keeps, across
     visits, the mean and std of its rewards over all its visits so far, each visit weighted equally:
     history[key] = (visits i, mean_tot, std_tot), updated in place. On visit i, with the group's own
     statistics (mean_new, std_new, Bessel-corrected like GRPO):
@@ -841,7 +831,7 @@ def step_advantages(rewards: list[float], indices: list[int], reward_history: di
     return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
 
 # ============================================================================ objectives
-# Every objective is a per-token loss l_t to minimise (SPEC §5), from fp32 log-probs: logp = log pi(a_t|s_t)
+# Every objective is a per-token loss l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t)
 # with gradient; logp_mu = log mu(a_t|s_t), the anchor, recorded at sampling; the sequence's advantage A
 # broadcast over its tokens. Each also returns the mask of tokens its trust region gave no gradient.
 #
@@ -1016,10 +1006,9 @@ def objective_loss(cfg: Config, logp, anchor: "Rollout", advantages, topk_logp, 
 # ============================================================================ update
 
 def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss (SPEC §6). They are computed over the
-    whole mini-batch, so splitting it into micro-batches for memory does not change the update. Under torchrun
-    the whole mini-batch is every process's share of it: the counts are added up across processes (a
-    per-process count would weigh a token by how long its neighbours on the same process are)."""
+    """Per-token weights w with sum(w * l) = the mini-batch's loss. They are computed over the
+    whole mini-batch, so splitting it into micro-batches for memory does not change the update; under torchrun,
+    across processes too (a per-process count would weigh a token by its neighbours' lengths on its process)."""
     if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token of the mini-batch counts the same
         return mask / all_processes([mask.sum()])[0]
     completions = all_processes([mask.shape[0]])[0]
@@ -1075,7 +1064,7 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 def accumulate_gradient(model, minibatch: Rollout, advantages: torch.Tensor, cfg: Config, stats: TokenStats,
                         first_update: bool = True) -> float:
     """Backpropagate one mini-batch's loss, one micro-batch at a time (gradients add up); return the
-    loss and add the per-token diagnostics to stats. The token weights are the whole mini-batch's (SPEC §6).
+    loss and add the per-token diagnostics to stats. The token weights are the whole mini-batch's.
     On the step's first update pi is still pi_old, so |pi - mu| there is the sampler's numerics alone
     (the training-inference mismatch); on later updates it adds the drift of the updates."""
     weights = token_weights(minibatch.completion_mask, cfg.loss_agg)
@@ -1135,7 +1124,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     stats.over_all_processes()
     tokens = stats.sum.pop("tokens")
     blocked_pos, blocked_neg = stats.sum.pop("blocked_pos_adv"), stats.sum.pop("blocked_neg_adv")
-    metrics = {"loss": np.mean(losses), "grad_norm": np.mean(grad_norms),
+    metrics = {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms),
                "trust_region/blocked_frac": (blocked_pos + blocked_neg) / tokens,
                "trust_region/blocked_frac_pos_adv": blocked_pos / tokens,
                "trust_region/blocked_frac_neg_adv": blocked_neg / tokens,
@@ -1206,30 +1195,32 @@ def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> lis
 
 def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems: list[dict], reward_history: dict,
             cfg: Config) -> dict:
-    """One RL step, the docstring's steps 1-4, on this process's share of the step's prompts; returns its metrics,
-    each over all processes."""
+    """One RL step, the module docstring's steps 1-4, on this process's share of the step's prompts (whole
+    groups); returns the step's metrics, over all processes."""
     rank, world = rank_and_world()
     P, G = cfg.prompts_per_step, cfg.samples_per_prompt
     indices = problem_batch(len(train_problems), P, cfg.seed, step)
-    problems = [train_problems[i] for i in indices[rank * P // world : (rank + 1) * P // world]]  # whole groups
+    problems = [train_problems[i] for i in indices[rank * P // world : (rank + 1) * P // world] for _ in range(G)]
     started = time.time()
     reset_peak_memory(model.device)
     refresh_sampler(sampler, model)
-    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)], cfg)
-    rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, [p for p in problems for _ in range(G)])]
+    # 1. rollout, 2. rewards, 3. advantages (from every process's rewards)
+    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in problems], cfg)
+    rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)]
     all_rewards, all_advantages = step_advantages(rewards, indices, reward_history, cfg)
     rollout_s, rollout_peak_mb = time.time() - started, peak_memory_mb(model.device)
     started = time.time()
     reset_peak_memory(model.device)
+    # 4. updates, on this process's share of each mini-batch
     stats = update_policy(model, optimizer, rollout, all_advantages.chunk(world)[rank], cfg)
     update_s, update_peak_mb = time.time() - started, peak_memory_mb(model.device)
+    # what the step did, over all processes
     mask = rollout.completion_mask
     eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
     completions, answers, tokens, truncated, entropy = all_processes([
         len(rollout.texts), sum(extract_answer(text) is not None for text in rollout.texts), mask.sum(),
         (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum(), (rollout.entropy_mu * mask).sum()])
     peaks = all_processes([rollout_peak_mb, update_peak_mb], op=dist.ReduceOp.MAX)  # the largest process's
-    # Each completion token is generated once and trained on once (it is in one mini-batch).
     return {"step": step,
             "reward/mean": all_rewards.mean().item(),
             "reward/zero_spread_groups": (all_rewards.view(-1, G).std(1) == 0).float().mean().item(),
@@ -1258,16 +1249,16 @@ def save_model(model, tokenizer, directory: Path):
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
     """Everything the run needs to go on exactly as if uninterrupted, in <run_dir>/checkpoint: the model, AdamW's
-    state (whole, gathered from every process), the step, SAS's history and every process's random streams.
-    Written to a temporary directory first and then renamed into place, so a crash mid-write leaves the last
-    one whole."""
+    state (whole, gathered from every process), the step, SAS's history and every process's torch random
+    streams (dppo.py draws its other random numbers from seeded random.Random instances). Written to a
+    temporary directory first and then renamed into place, so a crash mid-write leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
     rank = rank_and_world()[0]
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
     save_model(model, tokenizer, partial)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    random_states = gathered([{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    random_states = gathered([{"torch": torch.get_rng_state(),
                                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}])
     if rank == 0:
         torch.save({"step": step, "optimizer": optimizer_state, "reward_history": reward_history,
@@ -1280,19 +1271,21 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
     """AdamW's state and this process's random streams from a checkpoint (the model was loaded from it);
-    returns the step to go on from, the accuracy before training and SAS's history."""
-    state = torch.load(checkpoint / "training_state.pt", weights_only=False)  # our own file: optimizer, RNG states
+    returns the step to go on from, the accuracy before training and SAS's history. The file is read with
+    weights_only=True: tensors and plain Python values only, so a crafted one cannot run code."""
+    try:
+        state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+    except pickle.UnpicklingError:
+        fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values (unpickling "
+             "them could run code), so it is not a dppo checkpoint and is not loaded")
     rank, world = rank_and_world()
     if len(state["random_states"]) != world:
         fail(f"--resume: the checkpoint in {checkpoint} was written by {len(state['random_states'])} processes, "
              f"and this run has {world}; resume with as many")
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    streams = state["random_states"][rank]
-    random.setstate(streams["python"])
-    np.random.set_state(streams["numpy"])
-    torch.set_rng_state(streams["torch"])
-    if streams["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(streams["cuda"])
+    torch.set_rng_state(state["random_states"][rank]["torch"])
+    if state["random_states"][rank]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["random_states"][rank]["cuda"])
     return state["step"] + 1, state["initial_accuracy"], state["reward_history"]
 
 
@@ -1307,9 +1300,34 @@ def writable_directory(path: Path) -> Path:
     return path
 
 
-def log(metrics_file, record: dict):
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()  # a line at a time: an interrupted run keeps every step it finished
+def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
+    """The training and held-out problems, once a --model that cannot load has been refused (before the dataset,
+    which may have to be downloaded)."""
+    if resume_from and not (resume_from / "training_state.pt").is_file():
+        fail(f"--resume {cfg.resume}: no checkpoint there ({resume_from}/training_state.pt); "
+             "a run writes one with --save_every N or on Ctrl-C")
+    if cfg.model and not resume_from:
+        check_model_source(cfg.model)
+    train_problems, held_out = load_problems(cfg)
+    if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
+        fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
+             f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1")
+    return train_problems, held_out[: cfg.eval_n]
+
+
+def load_model(cfg: Config, resume_from, device) -> tuple:
+    """The policy and its tokenizer (from the checkpoint to resume, --model, or the built-in demo model), the
+    sampler, and AdamW over the policy's parameters (sharded under torchrun)."""
+    with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
+        checkpoint = str(resume_from) if resume_from else cfg.model or build_tiny_model(cfg.cache_dir)
+    model, tokenizer = load_policy(checkpoint, device, cfg.gradient_checkpointing)
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    if cfg.topk > vocabulary:
+        fail(f"--topk {cfg.topk} is more than the model's {vocabulary} tokens")
+    sampler = make_sampler(model, cfg.sampler_dtype)  # the policy itself unless --sampler_dtype is given
+    model = shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return model, tokenizer, sampler, optimizer
 
 
 STOP_REQUESTED = []  # set by Ctrl-C
@@ -1327,41 +1345,22 @@ def stop_after_this_step(signum, frame):
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
     device = set_up_device(cfg.device)
-    rank, _ = rank_and_world()
-    random.seed(cfg.seed + rank)  # each process draws its own samples; rank 0 draws what one process would
-    np.random.seed(cfg.seed + rank)
-    torch.manual_seed(cfg.seed + rank)
+    rank = rank_and_world()[0]
+    torch.manual_seed(cfg.seed + rank)  # each process draws its own samples; rank 0 draws what one process would
     started = time.time()
-
     output_dir = writable_directory(Path(cfg.output_dir))
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
-    if resume_from and not (resume_from / "training_state.pt").is_file():
-        fail(f"--resume {cfg.resume}: no checkpoint there ({resume_from}/training_state.pt); "
-             "a run writes one with --save_every N or on Ctrl-C")
-    if cfg.model and not resume_from:
-        check_model_source(cfg.model)  # before the dataset, which may have to be downloaded
-    train_problems, held_out = load_problems(cfg)
-    held_out = held_out[: cfg.eval_n]
-    if len(train_problems) < cfg.prompts_per_step or not held_out:
-        fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
-             f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1")
-    with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
-        checkpoint = str(resume_from) if resume_from else cfg.model or build_tiny_model(cfg.cache_dir)
-    model, tokenizer = load_policy(checkpoint, device, cfg.gradient_checkpointing)
-    vocabulary = model.get_output_embeddings().weight.shape[0]
-    if cfg.topk > vocabulary:
-        fail(f"--topk {cfg.topk} is more than the model's {vocabulary} tokens")
-    sampler = make_sampler(model, cfg.sampler_dtype)  # the policy itself unless --sampler_dtype is given
-    model = shard(model)  # under torchrun
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    train_problems, held_out = load_data(cfg, resume_from)
+    model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
     first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from \
         else (1, None, {})  # reward_history: --advantage sas's per-prompt reward statistics across visits
+    # One JSON line per step and per evaluation, flushed as written: an interrupted run keeps every step it finished.
     metrics_file = open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w")
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     evaluation = dict(problems=held_out, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
     if initial_accuracy is None:
         initial_accuracy = evaluate(model, tokenizer, **evaluation)
-        log(metrics_file, {"step": 0, "eval/accuracy": initial_accuracy, "time/elapsed_s": time.time() - started})
+        print(json.dumps({"step": 0, "eval/accuracy": initial_accuracy, "time/elapsed_s": time.time() - started}), file=metrics_file, flush=True)
     accuracy = initial_accuracy
     STOP_REQUESTED.clear()
     previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
@@ -1372,13 +1371,12 @@ def main(argv=None) -> dict:
                 metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
             except FloatingPointError as error:
                 save_model(model, tokenizer, output_dir)
-                sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before "
-                         f"that optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}"
-                         if rank == 0 else 1)
-            log(metrics_file, {**metrics, "time/elapsed_s": time.time() - started})
+                sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before that "
+                         f"optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}" if rank == 0 else 1)
+            print(json.dumps({**metrics, "time/elapsed_s": time.time() - started}), file=metrics_file, flush=True)
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluate(model, tokenizer, **evaluation)
-                log(metrics_file, {"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started})
+                print(json.dumps({"step": step, "eval/accuracy": accuracy, "time/elapsed_s": time.time() - started}), file=metrics_file, flush=True)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{accuracy:.2f}",
                                  blocked=f"{metrics['trust_region/blocked_frac']:.3f}",
                                  gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
@@ -1392,7 +1390,6 @@ def main(argv=None) -> dict:
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         metrics_file.close()
-
     save_model(model, tokenizer, output_dir)
     if rank == 0:
         print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
@@ -1401,7 +1398,6 @@ def main(argv=None) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"initial_accuracy": initial_accuracy, "final_accuracy": accuracy}
-
 
 if __name__ == "__main__":
     main()

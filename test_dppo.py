@@ -1452,6 +1452,25 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(demo_cach
     assert comparable(halves) == comparable(whole)
 
 
+class CodeOnLoad:
+    """Unpickling this calls open(path, "w"): a stand-in for any code a crafted checkpoint could run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_crafted_training_state_is_refused_in_one_line_without_running_its_code(tiny_checkpoint, tmp_path, capsys):
+    checkpoint, ran = tmp_path / "run" / "checkpoint", tmp_path / "the crafted pickle ran"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    torch.save({"step": CodeOnLoad(ran), "random_states": []}, checkpoint / "training_state.pt")
+    said = one_line_exit_2(["--resume", str(tmp_path / "run"), "--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")], capsys)
+    assert "training_state.pt holds more than tensors and plain Python values" in said
+    assert not ran.exists()
+
+
 def test_ctrl_c_finishes_the_step_saves_a_checkpoint_and_stops(demo_cache, tmp_path, monkeypatch):
     real_rollout, calls = dppo.generate_rollout, []
 
@@ -1694,7 +1713,7 @@ def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
 
 
 def two_process_demo(demo_cache, out, *flags) -> subprocess.CompletedProcess:
-    result = torchrun(HERE / "dppo.py", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
+    result = torchrun(HERE / "dppo.py", "--device", "cpu", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
                       "--micro_batch_size", "8", "--eval_n", "21", "--eval_every", "2", "--objective", "dcpo",
                       "--output_dir", out, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
