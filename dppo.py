@@ -1113,7 +1113,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
     for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
         optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradient(model, rollout.rows(minibatch), advantages[minibatch], cfg, stats, first_update=update == 0)
-        losses.append(all_processes([loss])[0])  # each process's share of the mini-batch's loss
+        losses.append(all_processes([loss])[0])  # the mini-batch's loss: every process's share added up
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         if not (math.isfinite(losses[-1]) and math.isfinite(grad_norms[-1])):
             model.eval()
