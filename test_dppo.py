@@ -203,10 +203,11 @@ def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy,
     logp = teacher_forced_logp(tiny_policy[0], rollout, temperature)
     m = rollout.completion_mask.bool()
     sampled = logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
-    assert (rollout.logp_mu - sampled)[m].abs().max() <= 1e-4
-    assert (rollout.topk_logp_mu - logp.gather(-1, rollout.topk_ids))[m].abs().max() <= 1e-4
+    assert (rollout.mu.logp - sampled)[m].abs().max() <= 1e-4
+    assert (rollout.mu.topk_logp - logp.gather(-1, rollout.topk_ids))[m].abs().max() <= 1e-4
     entropy = -(logp.exp() * logp).sum(-1)
-    assert (rollout.entropy_mu - entropy)[m].abs().max() <= 1e-4
+    assert (rollout.mu.entropy - entropy)[m].abs().max() <= 1e-4
+    assert rollout.old is rollout.mu  # the trust region's anchor is mu as sampled
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 10_000])  # one position, chunks that split rows, everything at once
@@ -412,8 +413,7 @@ def objective_inputs(q, p, other_mu=0.05, other_pi=0.05):
     q, p = torch.tensor(q), torch.tensor(p)
     topk_mu = torch.stack([q, torch.full_like(q, other_mu)], -1).log()
     topk_pi = torch.stack([p, torch.full_like(p, other_pi)], -1).log()
-    anchor = SimpleNamespace(logp_mu=q.log(), topk_logp_mu=topk_mu, entropy_mu=torch.ones_like(q))
-    return p.log().requires_grad_(), anchor, topk_pi
+    return p.log().requires_grad_(), dppo.LogProbs(q.log(), topk_mu, torch.ones_like(q)), topk_pi
 
 
 @pytest.mark.parametrize("objective", ["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
@@ -426,12 +426,13 @@ def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
     expected = [True, False, True, False, False, False, False]
     logp, anchor, topk_pi = objective_inputs([0.5] * 7, p)
     cfg = dppo.parse_config(["--objective", objective])  # with the objective's own default thresholds
-    loss, blocked, diagnostics = dppo.objective_loss(cfg, logp, anchor, A, topk_pi, None)
+    pi = dppo.LogProbs(logp, topk_pi, None)
+    loss, blocked = dppo.objective_loss(cfg, pi, anchor, A)
     assert blocked.tolist() == expected
     loss.sum().backward()
     r = torch.tensor(p) / 0.5
     assert torch.allclose(logp.grad, -A * r * ~torch.tensor(expected))
-    assert (diagnostics["trust_region/divergence"][:4] > cfg.delta_high).all()
+    assert (dppo.DIVERGENCES[objective](anchor, pi)[:4] > cfg.delta_high).all()
     assert cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
 
 
@@ -453,17 +454,18 @@ def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
     for objective in dppo.OBJECTIVES:
         # pi's log-prob of a token comes from a log-softmax of finite logits: very negative, never -inf
         logp = extreme_log_probs(g, (B, T), smallest=-1e4).to(dtype).float().requires_grad_()
-        anchor = SimpleNamespace(logp_mu=extreme_log_probs(g, (B, T)).to(dtype).float(),
-                                 topk_logp_mu=extreme_log_probs(g, (B, T, K)).to(dtype).float(),
-                                 entropy_mu=torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
+        anchor = dppo.LogProbs(extreme_log_probs(g, (B, T)).to(dtype).float(), extreme_log_probs(g, (B, T, K)).to(dtype).float(),
+                               torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
         topk_logp = extreme_log_probs(g, (B, T, K)).to(dtype).float()
         entropy = torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)]
         advantages = torch.tensor([-1e4, -1.0, 0.0, 1e-6, 1.0, 1e4])[torch.randint(0, 6, (B, 1), generator=g)]
-        loss, blocked, diagnostics = dppo.objective_loss(config(objective=objective), logp, anchor, advantages,
-                                                         topk_logp, entropy)
+        pi = dppo.LogProbs(logp, topk_logp, entropy)
+        loss, blocked = dppo.objective_loss(config(objective=objective), pi, anchor, advantages)
         loss.sum().backward()
         assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), objective
-        assert blocked.dtype == torch.bool and all(torch.isfinite(v).all() for v in diagnostics.values()), objective
+        assert blocked.dtype == torch.bool, objective
+        if objective in dppo.DIVERGENCES:
+            assert torch.isfinite(dppo.DIVERGENCES[objective](anchor, pi)).all(), objective
 
 
 def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
@@ -499,10 +501,9 @@ def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_
     A = torch.tensor([[1.0, 1.0, 1.0]])
     logp_mu = torch.full((1, 3), math.log(0.5))
     logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
-    ppo, _ = dppo.ppo_clip_loss(logp, logp_mu, A)
-    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05)
-    loss, kept = dppo.erc_loss(ppo, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_mu=torch.ones(1, 3))
-    assert kept.tolist() == [[True, False, True]]
+    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05); no ratio is clipped
+    loss, blocked = dppo.erc_loss(logp, logp_mu, A, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_old=torch.ones(1, 3))
+    assert blocked.tolist() == [[False, True, False]]
     mean = (loss * dppo.token_weights(torch.ones(1, 3), "token_mean")).sum()
     mean.backward()
     r = torch.tensor([1.0, math.exp(0.1), math.exp(-0.1)])
@@ -564,6 +565,12 @@ def test_token_weights_by_hand():
     assert torch.allclose(dppo.token_weights(mask, "seq_sum"), mask / 2)
 
 
+def make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, logp_mu, topk_logp_mu, entropy_mu):
+    """A Rollout whose anchor is mu, as generate_rollout makes one."""
+    mu = dppo.LogProbs(logp_mu, topk_logp_mu, entropy_mu)
+    return dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, mu, [""] * len(prompt_ids))
+
+
 def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
     """8 completions of different lengths after left-padded prompts of different lengths, with a
     made-up mu near uniform, so that some ratios leave every trust region."""
@@ -575,33 +582,34 @@ def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
     topk_ids = torch.randint(2, vocab_size, (B, T, K), generator=g)
     topk_ids[..., -1] = completion_ids
     logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g)
-    rollout = dppo.Rollout(
+    rollout = make_rollout(
         prompt_ids=torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask,
         prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, logp_mu=logp_mu,
         topk_ids=topk_ids, topk_logp_mu=-math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g),
-        entropy_mu=math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g), texts=[""] * B)
+        entropy_mu=math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
     return rollout, torch.randn(B, generator=g)
 
 
-def gradient(model, rollout, advantages, cfg) -> tuple[torch.Tensor, dppo.TokenStats]:
-    model.zero_grad()
-    stats = dppo.TokenStats()
-    dppo.accumulate_gradient(model, rollout, advantages, cfg, stats)
+def gradient(model, rollout, advantages, cfg) -> tuple[torch.Tensor, dict]:
+    """The gradient of one mini-batch holding the whole rollout (M = 1, no clipping, a zero learning rate), and
+    the update's metrics."""
+    cfg = dataclasses.replace(cfg, updates_per_step=1, max_grad_norm=math.inf)
+    metrics = dppo.update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages, cfg)
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
     model.zero_grad()
-    return flat, stats
+    return flat, metrics
 
 
 @pytest.mark.parametrize("objective, loss_agg", [("ppo_clip", "token_mean"), ("ppo_clip", "seq_mean_token_mean"),
-                                                 ("ppo_clip", "seq_sum"), *((o, "token_mean") for o in dppo.OBJECTIVES[2:])])
+                                                 ("ppo_clip", "seq_sum"), *((o, "token_mean") for o in list(dppo.OBJECTIVES)[2:])])
 def test_gradient_is_the_same_for_1_or_4_micro_batches(tiny_policy, objective, loss_agg):
     model = tiny_policy[0]
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
     # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
     cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
-    whole, stats = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
+    whole, metrics = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
     split, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=2))
-    assert stats.sum["tokens"] == 30 and stats.sum["blocked_pos_adv"] + stats.sum["blocked_neg_adv"] > 0
+    assert rollout.completion_mask.sum() == 30 and metrics["trust_region/blocked_frac"] > 0
     assert whole.abs().max() > 1e-4
     assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4)
 
@@ -623,7 +631,7 @@ def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(t
     def sampled_logp(policy):
         return teacher_forced_logp(policy, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m]
 
-    from_copy, from_policy = (rollout.logp_mu[m] - sampled_logp(sampler)).abs(), (rollout.logp_mu[m] - sampled_logp(model)).abs()
+    from_copy, from_policy = (rollout.mu.logp[m] - sampled_logp(sampler)).abs(), (rollout.mu.logp[m] - sampled_logp(model)).abs()
     assert from_copy.max() <= 0.05  # bf16 rounding: the incremental KV-cache pass versus the teacher-forced one
     assert from_copy.mean() < from_policy.mean() / 2  # mu is the bf16 copy's, not the fp32 policy's
 
@@ -645,9 +653,10 @@ def test_first_update_mismatch_is_zero_with_an_fp32_sampler_and_not_with_bf16(ti
 def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
     model = tiny_policy[0]
     rollout, A = hand_built_rollout(model.config.vocab_size)
-    logp_mu = rollout.logp_mu.clone()
+    logp_mu = rollout.mu.logp.clone()
     logp_mu[::2] = math.log(0.5)  # even rows: mu(a_t) = 0.5, not rare, and far from pi (about 1/300): TV > 0.15
-    rollout = dataclasses.replace(rollout, logp_mu=logp_mu)
+    mu = rollout.mu._replace(logp=logp_mu)
+    rollout = dataclasses.replace(rollout, mu=mu, old=mu)
     m = rollout.completion_mask.bool()
     p = teacher_forced_logp(model, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1).exp()
     q, A_t = logp_mu.exp(), A[:, None].expand_as(p)
@@ -667,10 +676,17 @@ def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
     mismatch = (p - q).abs()[m]
     assert metrics["policy/mismatch_first_update_mean"] == pytest.approx(mismatch.mean().item(), rel=1e-5)
     assert metrics["policy/mismatch_first_update_max"] == pytest.approx(mismatch.max().item(), rel=1e-5)
+    torch.manual_seed(0)
+    first_rows = torch.randperm(8).chunk(2)[0]  # the first mini-batch update_policy will draw after the same seed
+    torch.manual_seed(0)
     two = dppo.update_policy(model, frozen, rollout, A, config(objective="binary_tv", updates_per_step=2, micro_batch_size=4))
     assert "trust_region/blocked_also_by_tv_frac" not in two  # only the clip objectives are compared with TV
-    first, later = two["policy/mismatch_first_update_mean"], two["policy/drift_later_updates_mean"]
-    assert min(first, later) < mismatch.mean().item() < max(first, later)  # each over its own half of the tokens
+    in_first = torch.zeros(8, dtype=torch.bool)
+    in_first[first_rows] = True
+    first, later = (p - q).abs()[m & in_first[:, None]], (p - q).abs()[m & ~in_first[:, None]]
+    assert first.mean().item() != pytest.approx(later.mean().item(), rel=1e-3)  # the two halves differ, so labels show
+    assert two["policy/mismatch_first_update_mean"] == pytest.approx(first.mean().item(), rel=1e-5)
+    assert two["policy/drift_later_updates_mean"] == pytest.approx(later.mean().item(), rel=1e-5)
 
 
 def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
@@ -680,11 +696,31 @@ def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
     full = teacher_forced_logp(model, rollout, temperature=1.0)
     m = rollout.completion_mask.bool()
     expected = full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
-    assert torch.allclose(anchored.logp_mu[m], expected[m], atol=1e-5)
-    assert torch.allclose(anchored.topk_logp_mu[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
+    assert torch.allclose(anchored.old.logp[m], expected[m], atol=1e-5)
+    assert torch.allclose(anchored.old.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
     entropy = -(full.exp() * full).sum(-1)
-    assert torch.allclose(anchored.entropy_mu[m], entropy[m], atol=1e-4)
-    assert not torch.allclose(rollout.logp_mu[m], anchored.logp_mu[m])  # the made-up mu is gone
+    assert torch.allclose(anchored.old.entropy[m], entropy[m], atol=1e-4)
+    assert not torch.allclose(rollout.mu.logp[m], anchored.old.logp[m])  # the anchor is no longer the made-up mu
+    assert all(torch.equal(a, b) for a, b in zip(anchored.mu, rollout.mu))  # mu itself stays as recorded
+
+
+def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_from_mu(tiny_policy):
+    """With a bf16 sampler, mu differs from the fp32 policy by bf16's rounding. Under --recompute_old the trust
+    region's divergence on an on-policy update is ~0 (pi = pi_old), while the mismatch diagnostic still reads
+    |pi - mu|, and |pi_old - mu| is logged on its own; without it, the divergence is measured from mu."""
+    model, tokenizer = tiny_policy
+    rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
+    advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
+    cfg = config(objective="binary_tv", updates_per_step=1, micro_batch_size=6, recompute_old=True)
+    anchored = dppo.recompute_anchor(model, rollout, cfg)
+    recomputed = dppo.update_policy(model, frozen, anchored, advantages, cfg)
+    from_mu = dppo.update_policy(model, frozen, rollout, advantages, dataclasses.replace(cfg, recompute_old=False))
+    assert 1e-7 <= recomputed["policy/mismatch_first_update_mean"] <= 1e-3  # bf16's mismatch, not 0
+    assert recomputed["policy/mismatch_first_update_mean"] == pytest.approx(from_mu["policy/mismatch_first_update_mean"])
+    assert recomputed["policy/abs_old_minus_mu_mean"] == pytest.approx(recomputed["policy/mismatch_first_update_mean"], rel=1e-2)
+    assert "policy/abs_old_minus_mu_mean" not in from_mu
+    assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
 
 
 def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, tmp_path):
@@ -964,7 +1000,7 @@ def test_generation_stops_on_either_qwen_eos_id(qwen_policy, monkeypatch):
     assert lengths == [3, 5, 8] and rollout.completion_ids.shape[1] == 8  # rows 0 and 1 stopped, row 2 ran on
     assert rollout.completion_ids[0, 2] == QWEN_ENDOFTEXT and rollout.completion_ids[1, 4] == QWEN_IM_END
     assert rollout.completion_ids[1, 5:].tolist() == [QWEN_ENDOFTEXT] * 3  # generate() pads a finished row
-    assert rollout.logp_mu[0, 2] > -1e-3 and rollout.logp_mu[1, 4] > -1e-3
+    assert rollout.mu.logp[0, 2] > -1e-3 and rollout.mu.logp[1, 4] > -1e-3
     assert not any("<|im_end|>" in text or "<|endoftext|>" in text for text in rollout.texts)
 
 
@@ -980,7 +1016,7 @@ def test_checkpoint_sampling_defaults_do_not_leak_into_mu(qwen_policy):
     logp = teacher_forced_logp(model, rollout, temperature=1.0)
     m = rollout.completion_mask.bool()
     sampled = logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
-    assert (rollout.logp_mu - sampled)[m].abs().max() <= 1e-4  # no repetition penalty or temperature in mu
+    assert (rollout.mu.logp - sampled)[m].abs().max() <= 1e-4  # no repetition penalty or temperature in mu
     # What was sampled follows mu: a token's midpoint in mu's cumulative distribution, mu(more probable tokens)
     # + mu(token)/2, averages 1/2 under mu for any distribution. top_k=20, top_p=0.8 or T=0.7 would each
     # pull it far down (to about 0.15, 0.41 and 0.26 here), since they favour the most probable tokens.
@@ -1495,8 +1531,8 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_objective_after_saving(
 
     def nan_at_step_2(*args, **kwargs):
         calls.append(1)
-        loss, blocked, diagnostics = real_loss(*args, **kwargs)
-        return (loss * math.nan if len(calls) > 2 else loss), blocked, diagnostics  # 2 updates a step
+        loss, blocked = real_loss(*args, **kwargs)
+        return (loss * math.nan if len(calls) > 2 else loss), blocked  # 2 updates a step
 
     monkeypatch.setattr(dppo, "objective_loss", nan_at_step_2)
     with pytest.raises(SystemExit) as exit_info:
@@ -1518,7 +1554,7 @@ def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "results.md").read_text().splitlines()
     rows = [line for line in table if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == dppo.OBJECTIVES
+    assert [row.split("`")[1] for row in rows] == list(dppo.OBJECTIVES)
     for objective, row in zip(dppo.OBJECTIVES, rows):
         evals = [r for r in map(json.loads, (tmp_path / f"{objective}-seed0" / "metrics.jsonl").read_text().splitlines())
                  if "eval/accuracy" in r]
@@ -1639,8 +1675,8 @@ def equivalence_batch(model) -> tuple:
     logp_mu = (logp + 0.7 * torch.randn(B, T, generator=generator)).clamp(max=-1e-3)
     logp_mu[:, ::3] = math.log(0.5)  # far above the random model's pi ~ 1/300: the binary TV is large there
     topk_ids = torch.cat([completion_ids[..., None], torch.randint(200, 300, (B, T, K - 1), generator=generator)], -1)
-    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logp_mu, topk_ids,
-                           logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T), ["text"] * B)
+    rollout = make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, logp_mu,
+                           logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T))
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 1.0, -1.0])
     return rollout, advantages
 
