@@ -577,18 +577,13 @@ LOGITS_CHUNK_ELEMENTS = 2**23
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                     topk_ids=None, with_entropy=False) -> LogProbs:
-    """One teacher-forced forward pass of pi over prompt + completion. Returns, for the T completion tokens:
-    log pi(a_t | s_t) (B, T) in fp32 with gradient; without gradient, log pi at topk_ids (B, T, K) if given,
-    and pi's full-vocabulary entropy (B, T) if with_entropy.
-
-    Prompts are left-padded and completions right-padded, so the T completion tokens sit in the last T
-    columns and are predicted from the hidden states of the T columns before them. Position ids are
-    passed explicitly, counted from each row's first real token, as generate() counted them. The
-    transformer body runs once, through the model's own forward (so that FSDP2, under torchrun, gathers and
-    frees the weights as for any forward) asked for the logits of no position; the output layer then runs
-    on a chunk of positions at a time, under activation checkpointing, so no B x T x V logits tensor ever
-    exists: each chunk's logits are dropped after use and recomputed in the backward pass. (This takes
-    logits = lm_head(last hidden state), as in the Llama, Qwen and Mistral families.)"""
+    """One teacher-forced pass of pi over prompt + completion: for the T completion tokens, log pi(a_t | s_t) (B, T)
+    in fp32 with gradient; without gradient, log pi at topk_ids (B, T, K) if given and the entropy if with_entropy.
+    Left-padded prompts and right-padded completions put the T tokens in the last T columns, predicted from the
+    T columns before; positions count from each row's first real token, as generate() counts them. The body runs
+    once through the model's own forward (so FSDP2 gathers weights as usual), asked for no logits; the output
+    layer (logits = lm_head(last hidden state), as in Llama, Qwen, Mistral) then runs a chunk of positions at a
+    time under activation checkpointing: no B x T x V logits tensor ever exists."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -609,8 +604,8 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy):
-    """For N positions' hidden states (N, H): log pi of their targets (N,), and, without gradient, log pi
-    at topk_ids (N, K) and the entropy (N,). log pi = logit/T - logsumexp(logits/T), in fp32."""
+    """log pi = logit/T - logsumexp(logits/T) in fp32 for N positions: of the targets, and without gradient at
+    topk_ids (N, K) and the entropy (N,)."""
     logits = lm_head(hidden).float() / temperature
     log_normaliser = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
@@ -621,16 +616,14 @@ def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy
 
 
 def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p(a) log p(a) = log Z - sum_a p(a) logit(a), with p = exp(logit - log Z), over the last axis
-    of finite logits. p is the only (N, V) copy made: the product is formed in place in it."""
+    """H = -sum p log p = log Z - sum p * logit over the last axis; p is the only (N, V) copy, used in place."""
     p = (logits - log_normaliser[:, None]).exp_()
     return log_normaliser - p.mul_(logits).sum(-1)
 
 
 def autocast(model):
-    """bf16 matmuls on CUDA with fp32 weights (fp32 master weights, no loss scaling needed); nothing on CPU,
-    nor for a sampler copy whose weights are already in the dtype it should run in, nor under FSDP2, whose
-    mixed-precision policy casts the weights itself (see shard)."""
+    """bf16 matmuls on CUDA over fp32 weights (no loss scaling needed); nothing on CPU, for a sampler copy already
+    in its dtype, or under FSDP2, whose mixed-precision policy casts the weights itself (see shard)."""
     if model.device.type == "cuda" and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -641,8 +634,7 @@ def autocast(model):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int) -> float:
-    """Greedy accuracy: the fraction of problems whose greedy completion earns reward 1. Under torchrun each
-    process answers every N-th problem and the counts of correct answers are added up."""
+    """Greedy accuracy on problems (under torchrun each process answers every N-th and the counts add up)."""
     rank, world = rank_and_world()
     mine, correct = problems[rank::world], 0.0
     with full_weights(model), autocast(model):
@@ -765,8 +757,8 @@ def main(argv=None) -> dict:
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
-    first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from \
-        else (1, None, {})  # reward_history: --advantage sas's per-prompt reward statistics across visits
+    # reward_history: --advantage sas's per-prompt reward statistics across visits
+    first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, None, {})
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size)  # noqa: E731
     # One JSON line per step and per evaluation, flushed as written: an interrupted run keeps every step it finished.
@@ -789,8 +781,7 @@ def main(argv=None) -> dict:
                 accuracy = evaluation()
                 log({"step": step, "eval/accuracy": accuracy})
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{accuracy:.2f}",
-                                 blocked=f"{metrics['trust_region/blocked_frac']:.3f}",
-                                 gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
+                                 blocked=f"{metrics['trust_region/blocked_frac']:.3f}", gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
                                  train_tok_s=f"{metrics['throughput/trained_tokens_per_s']:.0f}")
             stop = all_processes([len(STOP_REQUESTED)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
@@ -991,8 +982,7 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def set_up_device(name: str) -> torch.device:
-    """The device to train on. Under torchrun, also join the process group: NCCL between GPUs, one per
-    process, or gloo between CPU processes."""
+    """The device; under torchrun also join the process group: NCCL, one GPU per process, or gloo on CPUs."""
     device = torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if "LOCAL_RANK" in os.environ:
         if device.type == "cuda":
@@ -1003,10 +993,8 @@ def set_up_device(name: str) -> torch.device:
 
 
 def shard(model):
-    """FSDP2 (torch.distributed.fsdp.fully_shard): each decoder layer is one unit, the root (embeddings, final
-    norm, output layer) another. Each process keeps 1/N of every parameter, of its gradient and of its AdamW
-    state; a unit's whole weights exist only while it computes. On GPUs the weights and AdamW stay fp32 and
-    compute runs in bf16, with gradients reduced in fp32; on CPUs everything is fp32."""
+    """FSDP2 (fully_shard) per decoder layer, then the root: each process keeps 1/N of every parameter, gradient
+    and AdamW state. On GPUs the weights stay fp32, compute runs in bf16 and gradients reduce in fp32."""
     if not dist.is_initialized():
         return model
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -1022,9 +1010,8 @@ def shard(model):
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Generate with whole weights, gathered once for the call and freed after it (FSDP2 alone would gather each
-    unit before every forward pass, i.e. per new token). All processes enter together (the gathers are
-    collective); inside, each may generate as many tokens as it needs."""
+    """Whole weights for a generate call, gathered once (FSDP2 alone would gather them for every new token). All
+    processes enter together (the gathers are collective); inside, each generates as many tokens as it needs."""
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for unit in units:
         unit.unshard()
@@ -1060,8 +1047,7 @@ def gathered(items: list) -> list:
 
 
 def save_model(model, tokenizer, directory: Path):
-    """A save_pretrained checkpoint of the whole model, which --model loads in one process. Under torchrun every
-    process hands in its shards and rank 0 writes."""
+    """A save_pretrained directory of the whole model (under torchrun, every process's shards; rank 0 writes)."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank_and_world()[0] == 0:
         model.save_pretrained(directory, state_dict=weights)
@@ -1069,10 +1055,9 @@ def save_model(model, tokenizer, directory: Path):
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """Everything the run needs to go on exactly as if uninterrupted, in <run_dir>/checkpoint: the model, AdamW's
-    state (whole, gathered from every process), the step, SAS's history and every process's torch random
-    streams (dppo.py draws its other random numbers from seeded random.Random instances). Written to a
-    temporary directory first and then renamed into place, so a crash mid-write leaves the last one whole."""
+    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: the model, AdamW's whole state, the
+    step, SAS's history and every process's torch random streams (the other random numbers come from seeded
+    random.Random instances). Written aside and renamed into place: a crash mid-write leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
     rank = rank_and_world()[0]
     if rank == 0:
@@ -1092,9 +1077,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
-    """AdamW's state and this process's random streams from a checkpoint (the model was loaded from it);
-    returns the step to go on from, the accuracy before training and SAS's history. The file is read with
-    weights_only=True: tensors and plain Python values only, so a crafted one cannot run code."""
+    """AdamW's state and this process's random streams (the model was loaded from the checkpoint); returns the
+    next step, the accuracy before training and SAS's history. weights_only=True: a crafted file cannot run code."""
     try:
         state = torch.load(checkpoint / "training_state.pt", weights_only=True)
     except pickle.UnpicklingError:
@@ -1114,18 +1098,16 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
 STOP_REQUESTED = []  # set by Ctrl-C
 
 
-def stop_after_this_step(signum, frame):
-    """Ctrl-C lets the current step finish, saves a checkpoint and stops; a second Ctrl-C stops at once."""
-    if STOP_REQUESTED:
-        raise KeyboardInterrupt
-    STOP_REQUESTED.append(True)
-    if rank_and_world()[0] == 0:
-        print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
-
-
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Within: Ctrl-C sets STOP_REQUESTED (see stop_after_this_step); the caller's handler is put back after."""
+    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once.
+    The caller's handler is put back after."""
+    def stop_after_this_step(signum, frame):
+        if STOP_REQUESTED:
+            raise KeyboardInterrupt
+        STOP_REQUESTED.append(True)
+        if rank_and_world()[0] == 0:
+            print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
     STOP_REQUESTED.clear()
     previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
     try:
@@ -1170,18 +1152,12 @@ def parse_config(argv=None) -> Config:
     return cfg
 
 
-MUST_BE_POSITIVE = ["prompts_per_step", "max_new_tokens", "temperature", "topk", "clip_low", "clip_high", "dual_clip",
-                    "dcpo_r_max", "erc_beta_low", "erc_beta_high", "delta_low", "delta_high", "is_cap", "steps",
-                    "updates_per_step", "micro_batch_size", "learning_rate", "max_grad_norm", "eval_every", "eval_n",
-                    "eval_batch_size"]
-
-
 def check_config(cfg: Config):
-    """Settings that cannot work are refused before anything is loaded (the vocabulary size is checked
-    once the model is)."""
-    for name in MUST_BE_POSITIVE:
-        if not getattr(cfg, name) > 0:  # `not > 0` also refuses NaN
-            fail(f"--{name} must be > 0, got {getattr(cfg, name)}")
+    """Settings that cannot work are refused before anything is loaded (--topk once the model is)."""
+    for f in dataclasses.fields(Config):  # every number must be > 0 (`not > 0` also refuses NaN), but these
+        value = getattr(cfg, f.name)
+        if type(value) in (int, float) and f.name not in ("epochs", "weight_decay", "seed", "save_every") and not value > 0:
+            fail(f"--{f.name} must be > 0, got {value}")
     if cfg.clip_low >= 1:
         fail(f"--clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.samples_per_prompt < 2:
@@ -1197,8 +1173,8 @@ def check_config(cfg: Config):
     if cfg.micro_batch_size < minibatch and minibatch % cfg.micro_batch_size:
         fail(f"--micro_batch_size {cfg.micro_batch_size} does not divide the mini-batch of {minibatch} completions"
              + (" per process" if world > 1 else ""))
-    if cfg.epochs < 0 or cfg.weight_decay < 0:
-        fail("--epochs and --weight_decay must be >= 0")
+    if cfg.epochs < 0 or cfg.weight_decay < 0 or cfg.save_every < 0:
+        fail("--epochs, --weight_decay and --save_every must be >= 0")
 
 
 def writable_directory(path: Path) -> Path:
@@ -1227,9 +1203,8 @@ def first_line(error: Exception) -> str:
 
 
 def require_hub(what: str):
-    """Fail fast, in one line, when `what` has to come from the Hugging Face Hub and the Hub cannot be
-    reached: the Hub clients would retry for tens of seconds, then raise a page-long traceback.
-    With HF_HUB_OFFLINE=1 the check is skipped and the loaders read the local Hugging Face cache."""
+    """One line, fast, when `what` must come from an unreachable Hub (its clients would retry for tens of seconds,
+    then raise a page-long traceback). With HF_HUB_OFFLINE=1 the loaders read the local cache instead."""
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return
     endpoint = huggingface_hub.constants.ENDPOINT
@@ -1243,9 +1218,8 @@ def require_hub(what: str):
 
 
 def fail(message: str):
-    """A one-line error and exit status 2 (bad input), instead of a traceback. Under torchrun every process
-    meets the same bad input and exits, so none is left waiting for another, and rank 0 says why: the others
-    give it a few seconds first, because torchrun stops every process as soon as one has exited."""
+    """A one-line error and exit status 2 instead of a traceback. Under torchrun every process meets the same bad
+    input and exits; rank 0 says why while the others wait a few seconds (torchrun stops all when one exits)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"dppo.py: error: {message}", file=sys.stderr)
     else:
@@ -1272,9 +1246,8 @@ NOUNS = ["apples", "pens", "cards", "books", "shells", "coins", "eggs", "stamps"
 
 
 def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> dict[str, list[dict]]:
-    """GSM8K-shaped one-step word problems over small numbers, split into disjoint warm-up, test and
-    train sets (no question appears in two sets). The seed is fixed so every run and the cached tiny
-    model see the same sets."""
+    """GSM8K-shaped one-step word problems over small numbers in disjoint warm-up, test and train sets; a fixed
+    seed, so every run and the cached tiny model see the same sets."""
     rng, seen, problems = random.Random(seed), set(), []
     while len(problems) < n_warmup + n_test + n_train:
         op, template = rng.choice(ARITHMETIC_TEMPLATES)
@@ -1311,11 +1284,9 @@ TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so c
 
 
 def build_tiny_model(cache_dir: str) -> str:
-    """The demo's policy: a 0.55M-parameter Qwen2-architecture model with a byte-level BPE vocabulary
-    trained on the arithmetic problems (451 tokens: the corpus runs out of merges before 512),
-    warm-started by supervised learning on the warm-up set until it solves about 30% of a dev split,
-    so that RL starts from partial competence as it would from a pretrained LM. Built once into
-    cache_dir, loaded back through the same Auto classes as a real checkpoint."""
+    """The demo's policy: a 0.55M-parameter Qwen2 with a 451-token byte-level BPE vocabulary trained on the problems,
+    warm-started by supervised learning until it solves about 30% of a dev split, so that RL starts from partial
+    competence as from a pretrained LM. Built once into cache_dir, loaded as a real checkpoint is."""
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
@@ -1346,8 +1317,7 @@ def build_tiny_model(cache_dir: str) -> str:
 
 
 def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=2e-3, check_every=10, max_steps=2000):
-    """Supervised fine-tuning on gold solutions (maximise log pi of each gold completion), stopped as
-    soon as greedy dev accuracy reaches target_accuracy."""
+    """Supervised fine-tuning on gold solutions until greedy dev accuracy reaches target_accuracy."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng, device = random.Random(0), torch.device("cpu")
     for step in range(1, max_steps + 1):

@@ -24,7 +24,6 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -275,6 +274,19 @@ def test_grpo_advantages_on_a_hand_made_group():
     assert torch.equal(centred, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
 
 
+def test_grpo_scales_each_group_by_its_own_std_only_when_asked():
+    # 3 groups of G = 4 (so a view with the axes the wrong way round regroups them):
+    # (1, 0, 0, 0): mean 0.25, deviations (0.75, -0.25, -0.25, -0.25), Bessel std sqrt(0.75 / 3) = 0.5
+    # (2, 0, 1, 1): mean 1, deviations (1, -1, 0, 0), Bessel std sqrt(2 / 3) = 0.816497
+    # (0.5, 0.5, 0.5, 0.5): all equal, A = 0 either way
+    rewards = torch.tensor([1.0, 0, 0, 0, 2, 0, 1, 1, 0.5, 0.5, 0.5, 0.5])
+    deviations = torch.tensor([0.75, -0.25, -0.25, -0.25, 1, -1, 0, 0, 0, 0, 0, 0])
+    std = torch.tensor([0.5] * 4 + [math.sqrt(2 / 3)] * 4 + [0.0] * 4)
+    assert torch.allclose(dppo.grpo_advantages(rewards, 4, scale_rewards="none"), deviations)
+    # (1.5, -0.5, -0.5, -0.5, 1.224745, -1.224745, 0, 0, 0, ...), each divided by its group's std + 1e-6
+    assert torch.allclose(dppo.grpo_advantages(rewards, 4, scale_rewards="group"), deviations / (std + 1e-6))
+
+
 # (A, r, loss, d loss / d log pi, clip binds) with eps_low 0.2, eps_high 0.28, dual clip c = 10
 PPO_CASES = [
     (+1.0, 1.10, -1.10, -1.10, False),  # inside [0.8, 1.28]: gradient -A*r
@@ -299,6 +311,32 @@ def test_ppo_clip_loss_and_gradient_on_hand_built_tensors():
     assert torch.equal(clipped, binds)
 
 
+# (A, r, loss, d loss / d log pi, clip binds) with eps_low 0.1, eps_high 0.4 (r kept in [0.9, 1.4]) and c = 3.
+# Swapped eps the bounds would be [0.6, 1.1]; the default c = 10 would leave the A < 0 rows at r = 4 uncapped.
+PPO_ASYMMETRIC_CASES = [
+    (+1.0, 1.20, -1.20, -1.20, False),  # inside [0.9, 1.4] (above 1.1: swapped eps would clip it)
+    (+1.0, 1.50, -1.40, 0.0, True),     # above 1 + eps_high = 1.4: loss -A * 1.4 (swapped: -1.1)
+    (+1.0, 0.70, -0.70, -0.70, False),  # A > 0 below 1 - eps_low: never clipped
+    (-1.0, 0.80, 0.90, 0.0, True),      # A < 0 below 1 - eps_low = 0.9: loss -A * 0.9 (swapped: 0.8 is inside)
+    (-1.0, 1.60, 1.60, 1.60, False),    # A < 0 above 1 + eps_high: not clipped
+    (-1.0, 2.50, 2.50, 2.50, False),    # A < 0, r < c = 3: max(2.5, 1.4) = 2.5 stays
+    (-1.0, 4.00, 3.00, 0.0, True),      # A < 0, r > c: dual clip, loss -A * c = 3 (c = 10: 4)
+    (-2.0, 4.00, 6.00, 0.0, True),      # the same with |A| = 2: -A * c = 6
+    (+1.0, 4.00, -1.40, 0.0, True),     # A > 0: no dual clip, -1.4 (not min(-1.4, -A * c) = -3)
+]
+
+
+def test_ppo_clip_with_asymmetric_bounds_and_a_dual_clip_of_3():
+    A, r, loss, grad, binds = (torch.tensor(column) for column in zip(*PPO_ASYMMETRIC_CASES))
+    logp_mu = torch.full_like(r, math.log(0.1))
+    logp = (logp_mu + r.log()).requires_grad_()
+    out, clipped = dppo.ppo_clip_loss(logp, logp_mu, A, clip_low=0.1, clip_high=0.4, dual_clip=3.0)
+    out.sum().backward()
+    assert torch.allclose(out, loss, atol=1e-5)
+    assert torch.allclose(logp.grad, grad, atol=1e-5)  # -A * r where no clip binds
+    assert torch.equal(clipped, binds)
+
+
 # ---------------------------------------------------------------------------- DPPO divergences
 
 def test_binary_and_topk_divergences_on_hand_built_distributions():
@@ -312,6 +350,28 @@ def test_binary_and_topk_divergences_on_hand_built_distributions():
     assert torch.allclose(dppo.topk_tv(mu, pi), torch.tensor([0.1]))  # (0.1 + 0.1 + 0) / 2
     # 0.5 ln(0.5/0.4) + 0.3 ln(0.3/0.4) + 0.2 ln(1) = 0.111572 - 0.086305
     assert torch.allclose(dppo.topk_kl(mu, pi), torch.tensor([0.025267]), atol=1e-5)
+
+
+def test_kl_divergences_are_kl_of_mu_from_pi_with_mu_first():
+    # KL is not symmetric, so the order is pinned: D(mu, pi) = KL(mu || pi) = sum mu log(mu / pi).
+    # Binary, q = 0.5, p = 0.9: KL(mu || pi) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = -0.293893 + 0.804719 = 0.510826;
+    # the reverse, KL(pi || mu) = 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5) = 0.529008 - 0.160944 = 0.368064.
+    q, p = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.9)])
+    assert dppo.binary_kl(q, p).item() == pytest.approx(0.510826, abs=1e-5)
+    assert dppo.binary_kl(p, q).item() == pytest.approx(0.368064, abs=1e-5)
+    # Top-2 and the rest: mu = (0.6, 0.3 | 0.1), pi = (0.3, 0.2 | 0.5).
+    # KL(mu || pi) = 0.6 ln 2 + 0.3 ln 1.5 + 0.1 ln 0.2 = 0.415888 + 0.121640 - 0.160944 = 0.376584
+    # KL(pi || mu) = 0.3 ln 0.5 + 0.2 ln(2/3) + 0.5 ln 5 = -0.207944 - 0.081093 + 0.804719 = 0.515682
+    mu, pi = torch.tensor([[0.6, 0.3]]).log(), torch.tensor([[0.3, 0.2]]).log()
+    assert dppo.topk_kl(mu, pi).item() == pytest.approx(0.376584, abs=1e-5)
+    assert dppo.topk_kl(pi, mu).item() == pytest.approx(0.515682, abs=1e-5)
+    # The same three outcomes as a whole vocabulary (logits = log-probs): the full KL is that top-2 KL
+    logits_mu, logits_pi = torch.tensor([[0.6, 0.3, 0.1]]).log(), torch.tensor([[0.3, 0.2, 0.5]]).log()
+    assert dppo.full_kl(logits_mu, logits_pi).item() == pytest.approx(0.376584, abs=1e-5)
+    assert dppo.full_kl(logits_pi, logits_mu).item() == pytest.approx(0.515682, abs=1e-5)
+    # TV is symmetric: (|0.6 - 0.3| + |0.3 - 0.2| + |0.1 - 0.5|) / 2 = (0.3 + 0.1 + 0.4) / 2 = 0.4
+    assert dppo.topk_tv(mu, pi).item() == pytest.approx(0.4, abs=1e-6)
+    assert dppo.full_tv(logits_mu, logits_pi).item() == pytest.approx(0.4, abs=1e-6)
 
 
 def test_divergences_stay_finite_at_probabilities_0_and_1():
@@ -407,33 +467,74 @@ def test_dppo_separate_thresholds_and_the_importance_weight_cap():
     assert torch.allclose(logp.grad, torch.tensor([-2.0, 0.5]))  # -A * min(r, C)
 
 
-def objective_inputs(q, p, other_mu=0.05, other_pi=0.05):
-    """One token per entry with mu(a_t) = q, pi(a_t) = p, and a second top-K token of probability
-    other_mu under mu and other_pi under pi (so the top-2 sets below are valid distributions)."""
+def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
+    # (A, q, r, D, blocked) with delta_low 0.3, delta_high 0.1 and C = 2.5: swapped thresholds flip rows 1 and 4
+    rows = [(+1.0, 0.5, 1.2, 0.12, True),   # A > 0, p rises, D > delta_high = 0.1
+            (+1.0, 0.5, 1.2, 0.08, False),  # D <= delta_high
+            (-1.0, 0.5, 0.6, 0.32, True),   # A < 0, p falls, D > delta_low = 0.3
+            (-1.0, 0.5, 0.6, 0.28, False),  # D <= delta_low (though > delta_high)
+            (+1.0, 0.5, 0.6, 9.0, False),   # A > 0, p falls: back toward mu, never blocked
+            (-1.0, 0.5, 1.2, 9.0, False),   # A < 0, p rises: never blocked
+            (+1.0, 0.2, 3.0, 0.05, False),  # r = 3 > C: weight min(r, C) = 2.5
+            (-1.0, 0.2, 4.0, 9.0, False)]   # back toward mu, r = 4: weight 2.5
+    A, q, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
+    logp_mu = q.log()
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, out_blocked = dppo.dppo_loss(logp, logp_mu, A, D, delta_low=0.3, delta_high=0.1, is_cap=2.5)
+    loss.sum().backward()
+    assert torch.equal(out_blocked, blocked)
+    grad = torch.tensor([0.0, -1.2, 0.0, 0.6, -0.6, 1.2, -2.5, 2.5])  # -A * min(r, C) * M
+    assert torch.allclose(logp.grad, grad, atol=1e-5)
+    assert torch.allclose(loss, grad * logp.detach(), atol=1e-5)  # l = -A * min(r, C) * M * log pi
+
+
+def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy_old=1.0):
+    """(pi, old) as objective_loss takes them, one token per entry: mu(a_t) = q, pi(a_t) = p, a second top-K
+    token of probability other_mu under mu and other_pi under pi (so the top-2 sets are valid distributions),
+    and the two entropies; each of the last four is one number or one per token. pi.logp requires grad."""
     q, p = torch.tensor(q), torch.tensor(p)
-    topk_mu = torch.stack([q, torch.full_like(q, other_mu)], -1).log()
-    topk_pi = torch.stack([p, torch.full_like(p, other_pi)], -1).log()
-    return p.log().requires_grad_(), dppo.LogProbs(q.log(), topk_mu, torch.ones_like(q)), topk_pi
+
+    def per_token(value):
+        return torch.as_tensor(value, dtype=torch.float32).expand_as(q)
+
+    pi = dppo.LogProbs(p.log().requires_grad_(), torch.stack([p, per_token(other_pi)], -1).log(), per_token(entropy_pi))
+    old = dppo.LogProbs(q.log(), torch.stack([q, per_token(other_mu)], -1).log(), per_token(entropy_old))
+    return pi, old
+
+
+# q = 0.5 everywhere, mu = (0.5, 0.05 | 0.45) on the top-2 partition, pi's second token 0.05 too. Big moves (p = 0.9
+# or 0.1), all past both defaults (0.15 TV, 0.05 KL):
+#   binary TV |p - q| = 0.4; top-2 TV (0.4 + 0 + 0.4) / 2 = 0.4
+#   binary KL 0.5 ln(0.5/p) + 0.5 ln(0.5/(1-p)) = -0.5 ln(4 p (1-p)) = -0.5 ln 0.36 = 0.510826 either way
+#   top-2 KL 0.5 ln(0.5/p) + 0.45 ln(0.45/(0.95-p)): p = 0.9: -0.293893 + 0.988751 = 0.694858,
+#                                                    p = 0.1:  0.804719 - 0.286195 = 0.518524
+# A small move (p = 0.52 or 0.48) is inside every region: TV 0.02; binary KL -0.5 ln 0.9984 = 0.000801;
+# top-2 KL at 0.52: -0.019610 + 0.020458 = 0.000848, at 0.48: 0.020411 - 0.019568 = 0.000843.
+DPPO_VARIANT_P = [0.9, 0.1, 0.1, 0.9, 0.52, 0.48, 0.9]
+DPPO_VARIANT_DIVERGENCES = {"binary_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
+                            "binary_kl": [0.510826, 0.510826, 0.510826, 0.510826, 0.000801, 0.000801, 0.510826],
+                            "topk_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
+                            "topk_kl": [0.694858, 0.518524, 0.518524, 0.694858, 0.000848, 0.000843, 0.694858]}
 
 
 @pytest.mark.parametrize("objective", ["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
 def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
-    # q = 0.5 everywhere. Big moves (p = 0.9 or 0.1): binary TV 0.4, binary KL 0.51 / 0.51, top-2 TV 0.4,
-    # top-2 KL 0.69 / 0.52, all past both defaults (0.15 TV, 0.05 KL). A small move (p = 0.52) is inside
-    # every region (TV 0.02, KL 0.0008).
     A = torch.tensor([+1.0, +1.0, -1.0, -1.0, +1.0, -1.0, 0.0])
-    p = [0.9, 0.1, 0.1, 0.9, 0.52, 0.48, 0.9]
     expected = [True, False, True, False, False, False, False]
-    logp, anchor, topk_pi = objective_inputs([0.5] * 7, p)
+    pi, old = objective_inputs([0.5] * 7, DPPO_VARIANT_P)
+    divergence = {"binary_tv": lambda: dppo.binary_tv(old.logp, pi.logp),
+                  "binary_kl": lambda: dppo.binary_kl(old.logp, pi.logp),
+                  "topk_tv": lambda: dppo.topk_tv(old.topk_logp, pi.topk_logp),
+                  "topk_kl": lambda: dppo.topk_kl(old.topk_logp, pi.topk_logp)}[objective]()
+    assert torch.allclose(divergence, torch.tensor(DPPO_VARIANT_DIVERGENCES[objective]), atol=1e-5)
     cfg = dppo.parse_config(["--objective", objective])  # with the objective's own default thresholds
-    pi = dppo.LogProbs(logp, topk_pi, None)
-    loss, blocked = dppo.objective_loss(cfg, pi, anchor, A)
+    assert cfg.delta_low == cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
+    assert (divergence[:4] > cfg.delta_high).all() and (divergence[4:6] < cfg.delta_low).all()
+    loss, blocked = dppo.objective_loss(cfg, pi, old, A)
     assert blocked.tolist() == expected
     loss.sum().backward()
-    r = torch.tensor(p) / 0.5
-    assert torch.allclose(logp.grad, -A * r * ~torch.tensor(expected))
-    assert (dppo.DIVERGENCES[objective](anchor, pi)[:4] > cfg.delta_high).all()
-    assert cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
+    r = torch.tensor(DPPO_VARIANT_P) / 0.5
+    assert torch.allclose(pi.logp.grad, -A * r * ~torch.tensor(expected))
 
 
 def extreme_log_probs(g: torch.Generator, shape, smallest=-math.inf) -> torch.Tensor:
@@ -454,18 +555,16 @@ def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
     for objective in dppo.OBJECTIVES:
         # pi's log-prob of a token comes from a log-softmax of finite logits: very negative, never -inf
         logp = extreme_log_probs(g, (B, T), smallest=-1e4).to(dtype).float().requires_grad_()
-        anchor = dppo.LogProbs(extreme_log_probs(g, (B, T)).to(dtype).float(), extreme_log_probs(g, (B, T, K)).to(dtype).float(),
-                               torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
-        topk_logp = extreme_log_probs(g, (B, T, K)).to(dtype).float()
-        entropy = torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)]
+        old = dppo.LogProbs(extreme_log_probs(g, (B, T)).to(dtype).float(),
+                            extreme_log_probs(g, (B, T, K)).to(dtype).float(),
+                            torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
+        pi = dppo.LogProbs(logp, extreme_log_probs(g, (B, T, K)).to(dtype).float(),
+                           torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
         advantages = torch.tensor([-1e4, -1.0, 0.0, 1e-6, 1.0, 1e4])[torch.randint(0, 6, (B, 1), generator=g)]
-        pi = dppo.LogProbs(logp, topk_logp, entropy)
-        loss, blocked = dppo.objective_loss(config(objective=objective), pi, anchor, advantages)
+        loss, blocked = dppo.objective_loss(config(objective=objective), pi, old, advantages)
         loss.sum().backward()
         assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), objective
-        assert blocked.dtype == torch.bool, objective
-        if objective in dppo.DIVERGENCES:
-            assert torch.isfinite(dppo.DIVERGENCES[objective](anchor, pi)).all(), objective
+        assert blocked.dtype == torch.bool and blocked.shape == loss.shape, objective
 
 
 def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
@@ -476,6 +575,18 @@ def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
     loss.sum().backward()
     assert not blocked.any()
     assert torch.allclose(logp.grad, torch.tensor([-0.2, 5.0, -60.0, 0.5]))
+
+
+def test_pg_caps_the_importance_weight_at_a_finite_is_cap():
+    # C = 3: weights min(r, 3) = (0.2, 3, 3, 1), gradient -A * min(r, C) = (-0.2, 3.0, -6.0, 0.5)
+    A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
+    logp_mu = torch.full_like(r, math.log(0.01))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, blocked = dppo.pg_loss(logp, logp_mu, A, is_cap=3.0)
+    loss.sum().backward()
+    assert not blocked.any()
+    assert torch.allclose(logp.grad, torch.tensor([-0.2, 3.0, -6.0, 0.5]))
+    assert torch.allclose(loss, logp.grad * logp.detach())  # l = -A * min(r, C) * log pi
 
 
 @pytest.mark.parametrize("q, low, high", [(0.9, 0.667, 1.249), (0.5, 0.500, 1.400), (0.1, 0.500, 2.246),
@@ -497,11 +608,37 @@ def test_dcpo_clips_by_token_probability():
     assert torch.allclose(loss, torch.tensor([-2.0, -2.24643, 0.6, 0.5, 10.0]), atol=1e-4)
 
 
+def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip():
+    # eps_low 0.1, eps_high 0.3, r_max 3, c 5: r_low = (1 + sqrt(max(1 - 0.4/q, 0))) / 2, r_high = min((1 + sqrt(1 + 1.2/q)) / 2, 3)
+    #   q = 0.8:  (1 + sqrt(0.5)) / 2 = 0.853553,  (1 + sqrt(2.5)) / 2 = 1.290569
+    #   q = 0.5:  (1 + sqrt(0.2)) / 2 = 0.723607,  (1 + sqrt(3.4)) / 2 = 1.421954
+    #   q = 0.1:  1 - 4 < 0, so 0.5,                (1 + sqrt(13)) / 2 = 2.302776
+    #   q = 0.02: 0.5,                              (1 + sqrt(61)) / 2 = 4.405125, capped at r_max = 3
+    # Swapped eps would give [0.5, 1.112372] at q = 0.8, the default eps [0.5, 1.274597].
+    low, high = dppo.dcpo_bounds(torch.tensor([0.8, 0.5, 0.1, 0.02]), eps_low=0.1, eps_high=0.3, r_max=3.0)
+    assert torch.allclose(low, torch.tensor([0.853553, 0.723607, 0.5, 0.5]), atol=1e-5)
+    assert torch.allclose(high, torch.tensor([1.290569, 1.421954, 2.302776, 3.0]), atol=1e-5)
+    # (A, q, r, loss, d loss / d log pi, clip binds)
+    rows = [(+1.0, 0.5, 1.41, -1.41, -1.41, False),   # inside [0.723607, 1.421954] (the default eps clip at 1.4)
+            (-1.0, 0.8, 0.80, 0.853553, 0.0, True),   # below r_low = 0.853553: loss -A * r_low
+            (+1.0, 0.1, 2.20, -2.20, -2.20, False),   # a rare token's room: inside [0.5, 2.302776]
+            (+1.0, 0.02, 3.50, -3.00, 0.0, True),     # above r_max = 3 (r_max 5 or none: inside 4.405125)
+            (-1.0, 0.02, 4.00, 4.00, 4.00, False),    # A < 0, r < c = 5: not clipped (c = 3 would cap it)
+            (-1.0, 0.02, 6.00, 5.00, 0.0, True)]      # A < 0, r > c: dual clip, loss -A * c = 5
+    A, q, r, loss, grad, binds = (torch.tensor(column) for column in zip(*rows))
+    logp = (q.log() + r.log()).requires_grad_()
+    out, clipped = dppo.dcpo_loss(logp, q.log(), A, clip_low=0.1, clip_high=0.3, r_max=3.0, dual_clip=5.0)
+    out.sum().backward()
+    assert torch.equal(clipped, binds)
+    assert torch.allclose(out, loss, atol=1e-5)
+    assert torch.allclose(logp.grad, grad, atol=1e-5)
+
+
 def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_the_mean():
     A = torch.tensor([[1.0, 1.0, 1.0]])
     logp_mu = torch.full((1, 3), math.log(0.5))
     logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
-    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05); no ratio is clipped
+    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05); r = 1, 1.105, 0.905: ppo_clip clips none
     loss, blocked = dppo.erc_loss(logp, logp_mu, A, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_old=torch.ones(1, 3))
     assert blocked.tolist() == [[False, True, False]]
     mean = (loss * dppo.token_weights(torch.ones(1, 3), "token_mean")).sum()
@@ -509,6 +646,113 @@ def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_
     r = torch.tensor([1.0, math.exp(0.1), math.exp(-0.1)])
     assert mean.item() == pytest.approx(-r.sum().item() / 3, rel=1e-6)  # the masked token still counts
     assert torch.allclose(logp.grad, torch.tensor([[-1.0 / 3, 0.0, -r[2].item() / 3]]))  # denominator 3, not 2
+
+
+# (A, r, H_pi, H_old, loss, d loss / d log pi, blocked) for ERC with beta_low 0.1, beta_high 0.02 (kept where
+# 0.9 < rho < 1.02, rho = (H_pi + 1e-8) / (H_old + 1e-8)) on ppo_clip with eps 0.1 / 0.4 (r in [0.9, 1.4]) and c = 3.
+# Swapped betas the band would be (0.98, 1.1), the defaults (0.95, 1.05); the inverted ratio turns 0.91 into 1.099.
+ERC_ASYMMETRIC_CASES = [
+    (+1.0, 1.1, 1.82, 2.0, -1.1, -1.1, False),  # rho 0.91: just inside the low side
+    (+1.0, 1.1, 1.78, 2.0, -1.1, 0.0, True),    # rho 0.89: just outside the low side: the value stays, no gradient
+    (+1.0, 1.1, 2.02, 2.0, -1.1, -1.1, False),  # rho 1.01: just inside the high side
+    (+1.0, 1.1, 2.06, 2.0, -1.1, 0.0, True),    # rho 1.03: just outside the high side
+    (+1.0, 1.1, 0.0, 0.0, -1.1, -1.1, False),   # both entropies 0: rho = 1e-8 / 1e-8 = 1, kept
+    (+1.0, 1.5, 2.0, 2.0, -1.4, 0.0, True),     # rho 1, but ppo_clip clips r above 1 + 0.4
+    (-1.0, 0.8, 2.0, 2.0, 0.9, 0.0, True),      # rho 1, ppo_clip clips r below 1 - 0.1
+    (-1.0, 4.0, 2.0, 2.0, 3.0, 0.0, True),      # rho 1, dual clip: -A * c = 3
+    (-1.0, 1.2, 2.0, 2.0, 1.2, 1.2, False),     # rho 1, nothing binds: -A * r
+]
+
+
+def test_erc_with_asymmetric_betas_on_top_of_an_asymmetric_ppo_clip():
+    A, r, entropy_pi, entropy_old, loss, grad, blocked = (torch.tensor(column) for column in zip(*ERC_ASYMMETRIC_CASES))
+    logp_mu = torch.full_like(r, math.log(0.1))
+    logp = (logp_mu + r.log()).requires_grad_()
+    out, out_blocked = dppo.erc_loss(logp, logp_mu, A, entropy_pi, entropy_old, clip_low=0.1, clip_high=0.4,
+                                     dual_clip=3.0, beta_low=0.1, beta_high=0.02)
+    out.sum().backward()
+    assert torch.equal(out_blocked, blocked)
+    assert torch.allclose(out, loss, atol=1e-5)  # a masked token keeps its value: it still counts in the mean
+    assert torch.allclose(logp.grad, grad, atol=1e-5)
+
+
+# objective_loss with every setting asymmetric, so that swapping two, ignoring one (its default in its place) or
+# passing one to the wrong parameter changes a row: eps 0.1 / 0.3, c = 5, r_max = 3, betas 0.1 / 0.02, C = 2.5,
+# deltas 0.3 / 0.1 (TV) or 0.12 / 0.03 (KL); the defaults are 0.2 / 0.28, 10, 10, 0.05 / 0.05, inf, 0.15 or 0.05.
+ASYMMETRIC_FLAGS = ["--clip_low", "0.1", "--clip_high", "0.3", "--dual_clip", "5", "--dcpo_r_max", "3",
+                    "--erc_beta_low", "0.1", "--erc_beta_high", "0.02", "--is_cap", "2.5"]
+ASYMMETRIC_DELTAS = {"tv": ["--delta_low", "0.3", "--delta_high", "0.1"], "kl": ["--delta_low", "0.12", "--delta_high", "0.03"]}
+# objective: (objective_inputs' top-K and entropy arguments, rows of (A, q, p, loss, d loss / d log pi, blocked)).
+# A loss of None is -A * min(r, C) * M * log pi = (d loss / d log pi) * log pi; r = p / q.
+DISPATCH_CASES = {
+    "pg": ({}, [
+        (+1.0, 0.2, 0.6, None, -2.5, False),     # r = 3: weight min(3, C) = 2.5
+        (-1.0, 0.2, 0.1, None, 0.5, False),      # r = 0.5
+        (+1.0, 0.0, 2e-12, None, -2.0, False)]),  # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
+    "ppo_clip": ({}, [                           # r kept in [0.9, 1.3]; swapped eps [0.7, 1.1], default [0.8, 1.28]
+        (+1.0, 0.1, 0.12, -1.2, -1.2, False),    # r 1.2: inside (swapped eps would clip it)
+        (+1.0, 0.1, 0.14, -1.3, 0.0, True),      # r 1.4 > 1.3: loss -1.3 (swapped -1.1, default -1.28)
+        (-1.0, 0.1, 0.08, 0.9, 0.0, True),       # r 0.8 < 0.9: loss 0.9 (swapped or default: inside, 0.8)
+        (-1.0, 0.1, 0.40, 4.0, 4.0, False),      # r 4 < c = 5 (c = r_max 3 or C 2.5 would cap it)
+        (-1.0, 0.1, 0.60, 5.0, 0.0, True)]),     # r 6 > c: dual clip, -A * c = 5 (default c: 6)
+    "dcpo": ({}, [                               # the bounds worked in the dcpo test above
+        (+1.0, 0.5, 0.705, -1.41, -1.41, False),    # r 1.41 inside [0.723607, 1.421954] (default eps: above 1.4)
+        (-1.0, 0.8, 0.64, 0.853553, 0.0, True),     # r 0.8 below 0.853553 (swapped or default eps: r_low 0.5)
+        (+1.0, 0.02, 0.07, -3.0, 0.0, True),        # r 3.5 above r_max = 3 (r_max 5 or 10: inside 4.405125)
+        (-1.0, 0.02, 0.08, 4.0, 4.0, False),        # r 4 < c = 5 (c = 3 would cap it)
+        (-1.0, 0.02, 0.12, 5.0, 0.0, True)]),       # r 6 > c: -A * c = 5
+    "erc": (dict(entropy_pi=[1.82, 1.78, 2.02, 2.06, 2.0, 2.0, 2.0, 2.0], entropy_old=2.0), [  # kept 0.9 < rho < 1.02
+        (+1.0, 0.1, 0.11, -1.1, -1.1, False),    # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
+        (+1.0, 0.1, 0.11, -1.1, 0.0, True),      # rho 0.89: outside
+        (+1.0, 0.1, 0.11, -1.1, -1.1, False),    # rho 1.01: inside
+        (+1.0, 0.1, 0.11, -1.1, 0.0, True),      # rho 1.03: outside (swapped or default: inside)
+        (+1.0, 0.1, 0.14, -1.3, 0.0, True),      # rho 1; r 1.4 clipped by ppo_clip at 1.3
+        (-1.0, 0.1, 0.08, 0.9, 0.0, True),       # rho 1; r 0.8 clipped at 0.9
+        (-1.0, 0.1, 0.40, 4.0, 4.0, False),      # rho 1; r 4 < c = 5
+        (-1.0, 0.1, 0.60, 5.0, 0.0, True)]),     # rho 1; r 6: dual clip
+    # DPPO: mu's second top-K token 0.3; the last row of each moves back toward mu (never blocked) with r = 3: weight C.
+    # In brackets, what the other family's divergence (binary for top-K, top-K for binary) or the reverse KL gives.
+    "binary_tv": (dict(other_mu=0.3, other_pi=[0.3, 0.18, 0.3, 0.3, 0.1]), [  # D = |p - q|
+        (+1.0, 0.5, 0.62, None, 0.0, True),      # D 0.12 > delta_high 0.1 (swapped 0.3 or default 0.15: kept)
+        (+1.0, 0.5, 0.58, None, -1.16, False),   # D 0.08 [top-2: (0.08 + 0.12 + 0.04) / 2 = 0.12, blocked]
+        (-1.0, 0.5, 0.18, None, 0.0, True),      # D 0.32 > delta_low 0.3
+        (-1.0, 0.5, 0.22, None, 0.44, False),    # D 0.28 <= 0.3 (swapped 0.1 or default 0.15: blocked)
+        (-1.0, 0.2, 0.60, None, 2.5, False)]),
+    "topk_tv": (dict(other_mu=0.3, other_pi=[0.18, 0.26, 0.15, 0.2, 0.1]), [  # mu = (0.5, 0.3 | 0.2)
+        (+1.0, 0.5, 0.55, None, 0.0, True),      # pi (0.55, 0.18 | 0.27): (0.05 + 0.12 + 0.07) / 2 = 0.12 > 0.1 [binary 0.05]
+        (+1.0, 0.5, 0.55, None, -1.1, False),    # pi (0.55, 0.26 | 0.19): (0.05 + 0.04 + 0.01) / 2 = 0.05
+        (-1.0, 0.5, 0.30, None, 0.0, True),      # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
+        (-1.0, 0.5, 0.40, None, 0.8, False),     # pi (0.4, 0.2 | 0.4): (0.1 + 0.1 + 0.2) / 2 = 0.2 <= 0.3 (swapped, default: blocked)
+        (-1.0, 0.2, 0.60, None, 2.5, False)]),
+    "binary_kl": (dict(other_mu=0.3, other_pi=[0.3, 0.15, 0.3, 0.3, 0.1]), [  # D = 0.2 ln(0.2/p) + 0.8 ln(0.8/(1-p))
+        (+1.0, 0.2, 0.33, None, 0.0, True),      # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
+        (+1.0, 0.2, 0.25, None, -1.25, False),   # -0.044629 + 0.051631 = 0.007002 [top-2 0.072155: blocked]
+        (-1.0, 0.2, 0.05, None, 0.0, True),      # 0.277259 - 0.137480 = 0.139779 > 0.12 [KL(pi || mu) 0.093943: kept]
+        (-1.0, 0.2, 0.08, None, 0.4, False),     # 0.183258 - 0.111810 = 0.071449 <= 0.12 (swapped, default: blocked)
+        (-1.0, 0.2, 0.60, None, 2.5, False)]),
+    "topk_kl": (dict(other_mu=0.3, other_pi=[0.18, 0.28, 0.3, 0.3, 0.1]), [  # mu = (0.2, 0.3 | 0.5)
+        (+1.0, 0.2, 0.25, None, 0.0, True),      # pi (0.25, 0.18 | 0.57): -0.044629 + 0.153248 - 0.065514 = 0.043105 > 0.03 [binary 0.007002]
+        (+1.0, 0.2, 0.25, None, -1.25, False),   # pi (0.25, 0.28 | 0.47): -0.044629 + 0.020698 + 0.030938 = 0.007007
+        (-1.0, 0.2, 0.05, None, 0.0, True),      # pi (0.05, 0.3 | 0.65): 0.277259 + 0 - 0.131182 = 0.146077 > 0.12 [KL(pi || mu) 0.101222]
+        (-1.0, 0.2, 0.08, None, 0.4, False),     # pi (0.08, 0.3 | 0.62): 0.183258 + 0 - 0.107556 = 0.075702 <= 0.12 (swapped, default: blocked)
+        (-1.0, 0.2, 0.60, None, 2.5, False)]),
+}
+
+
+@pytest.mark.parametrize("objective", list(DISPATCH_CASES))
+def test_objective_loss_passes_every_setting_to_its_place(objective):
+    inputs, rows = DISPATCH_CASES[objective]
+    A, q, p, loss, grad, blocked = zip(*rows)
+    pi, old = objective_inputs(list(q), list(p), **inputs)
+    deltas = ASYMMETRIC_DELTAS["kl" if objective.endswith("kl") else "tv"]
+    cfg = dppo.parse_config(["--objective", objective, *ASYMMETRIC_FLAGS, *deltas])
+    out, out_blocked = dppo.objective_loss(cfg, pi, old, torch.tensor(A))
+    out.sum().backward()
+    assert out_blocked.tolist() == list(blocked)
+    assert torch.allclose(pi.logp.grad, torch.tensor(grad), atol=1e-4)
+    logp = pi.logp.detach().tolist()
+    expected = torch.tensor([g * lp if value is None else value for value, g, lp in zip(loss, grad, logp)])
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- DCPO's smooth advantages
@@ -549,6 +793,21 @@ def test_sas_takes_the_smaller_magnitude_per_completion():
     assert torch.allclose(a3, torch.tensor([1.322951, -0.539071, -0.539071, -0.539071]), atol=1e-5)
 
 
+def test_sas_keeps_each_prompts_history_by_its_key_not_its_position():
+    history = {}
+    # visit 1: "a" gets R = (1, 0, 0, 0), "b" R = (1, 1, 0, 0): both plain GRPO
+    dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, ["a", "b"], history)
+    # visit 2 in the other order, each prompt with the other's earlier rewards:
+    # "b", R = (1, 0, 0, 0): mean_new 0.25, std_new 0.5; mean_tot 0.375, var_tot = (1/3 + 0.25 + (1/2) 0.25^2) / 2
+    #   = 0.307292, std_tot 0.554339; A_new = (1.5, -0.5), A_tot = (1.127469, -0.676481); at i = 2 both mixtures
+    #   are the average: (1.313735, -0.588241).
+    # "a", R = (1, 1, 0, 0): as visit 2 of test_sas_on_a_hand_worked_sequence_of_visits: (0.996747, -0.771253).
+    # Keyed by position, the first group would see (1, 0, 0, 0) twice: std_tot 0.5 and A = (1.5, -0.5).
+    a2 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, ["b", "a"], history)
+    expected = [1.313735, -0.588241, -0.588241, -0.588241, 0.996747, 0.996747, -0.771253, -0.771253]
+    assert torch.allclose(a2, torch.tensor(expected), atol=1e-5)
+
+
 def test_epochs_revisit_every_prompt():
     seen = [i for step in range(1, 5) for i in dppo.problem_batch(n_problems=8, batch_size=4, seed=0, step=step)]
     assert sorted(seen[:8]) == sorted(seen[8:]) == list(range(8))  # 2 epochs of 2 steps
@@ -569,6 +828,20 @@ def make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_
     """A Rollout whose anchor is mu, as generate_rollout makes one."""
     mu = dppo.LogProbs(logp_mu, topk_logp_mu, entropy_mu)
     return dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, mu, [""] * len(prompt_ids))
+
+
+@pytest.mark.parametrize("loss_agg, expected", [
+    ("token_mean", 14 / 8),                         # (4 + 1 + 2 + 3 + 1 + 1 + 1 + 1) / 8 tokens
+    ("seq_mean_token_mean", (4 / 1 + 6 / 3 + 4 / 4) / 3),  # mean of each completion's token mean: 7 / 3
+    ("seq_sum", (4 + 6 + 4) / 3),                   # mean of each completion's token sum: 14 / 3
+])
+def test_token_weights_aggregate_completions_of_different_lengths(loss_agg, expected):
+    # completions of 1, 3 and 4 tokens in a batch padded to 4; the padding's losses (100) must weigh nothing
+    mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    loss = torch.tensor([[4.0, 100, 100, 100], [1, 2, 3, 100], [1, 1, 1, 1]])
+    weights = dppo.token_weights(mask, loss_agg)
+    assert (weights * loss).sum().item() == pytest.approx(expected, rel=1e-6)
+    assert (weights[mask == 0] == 0).all()
 
 
 def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
@@ -712,7 +985,8 @@ def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_fr
     rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
     advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
     frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
-    cfg = config(objective="binary_tv", updates_per_step=1, micro_batch_size=6, recompute_old=True)
+    # delta far below bf16's mismatch (~1e-6 here) and far above pi_old's from pi (the same fp32 pass): mu would block
+    cfg = config(objective="binary_tv", updates_per_step=1, micro_batch_size=6, recompute_old=True, delta_low=1e-7, delta_high=1e-7)
     anchored = dppo.recompute_anchor(model, rollout, cfg)
     recomputed = dppo.update_policy(model, frozen, anchored, advantages, cfg)
     from_mu = dppo.update_policy(model, frozen, rollout, advantages, dataclasses.replace(cfg, recompute_old=False))
@@ -721,6 +995,7 @@ def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_fr
     assert recomputed["policy/abs_old_minus_mu_mean"] == pytest.approx(recomputed["policy/mismatch_first_update_mean"], rel=1e-2)
     assert "policy/abs_old_minus_mu_mean" not in from_mu
     assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
+    assert recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2  # the loss's anchor
 
 
 def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, tmp_path):
