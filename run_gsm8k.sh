@@ -7,8 +7,13 @@
 #   bash run_gsm8k.sh --dataset path/to/gsm8k                    # a local copy (JSONL files or save_to_disk)
 #   bash run_gsm8k.sh --seeds "0 1 2" -- --learning_rate 2e-6    # flags after -- go to every dppo.py run
 #   bash run_gsm8k.sh --demo --seeds "0 1 2" -- --updates_per_step 16   # offline: the built-in demo model and data
-#   bash run_gsm8k.sh --smoke                                    # the GSM8K pipeline offline on a CPU in about a minute
+#   bash run_gsm8k.sh --smoke                                    # the GSM8K pipeline offline on a CPU, 3 steps an objective
 #   bash run_gsm8k.sh --report --out runs/gsm8k                  # only (re)write the table and figure of finished runs
+#   bash run_gsm8k.sh --help                                     # this text
+#
+# Options: --model M (default Qwen/Qwen2.5-0.5B-Instruct), --dataset D (default gsm8k), --objectives "A B ..."
+# (default all eight), --seeds "0 1 ..." (default 0), --steps N (on GSM8K default 100), --eval_n N, --out DIR, --demo,
+# --smoke, --report, -h/--help; everything after -- goes to every dppo.py run.
 #
 # --demo runs `python dppo.py` as it is with no --model (the tiny model on all the arithmetic problems, the
 # demo's defaults), so a study on a laptop CPU is the demo plus the flags given after --.
@@ -18,6 +23,7 @@
 # --eval_n problems of the test split (default 1,319: all of it).
 set -euo pipefail
 here=$(dirname "$0")
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }  # the comment above
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # so the inline Python below can import dppo
 
 model=Qwen/Qwen2.5-0.5B-Instruct
@@ -42,8 +48,9 @@ while (($#)); do
     --smoke) mode=smoke; shift ;;
     --demo) mode=demo; shift ;;
     --report) report_only=1; shift ;;
+    -h|--help) usage; exit 0 ;;
     --) shift; break ;;
-    *) echo "run_gsm8k.sh: unknown argument $1 (see the top of this file)" >&2; exit 2 ;;
+    *) echo "run_gsm8k.sh: unknown argument $1 (see bash run_gsm8k.sh --help)" >&2; exit 2 ;;
   esac
 done
 extra=("$@")
