@@ -22,8 +22,9 @@ The algorithm in this file's names; rl_step is one step, and the file reads in t
         every eval_every steps: greedy held-out accuracy                             evaluate
 
 Simplifications, stated once:
-  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors
-    it to a recomputed pi_old (the paper's ablation). The top-K divergences partition by mu's top-K ids.
+  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it,
+    and the importance ratio with it, to a recomputed pi_old (the paper's ablation keeps that ratio against
+    mu). The top-K divergences always partition the vocabulary by mu's top-K ids.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
   - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output
     layer runs on a chunk of positions at a time under activation checkpointing.
