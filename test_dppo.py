@@ -1184,9 +1184,9 @@ def test_evaluation_is_greedy_whatever_generation_settings_the_checkpoint_ships(
     generation_config.write_text(json.dumps({**json.loads(generation_config.read_text()), **settings}))
     model, tokenizer = dppo.load_policy(str(checkpoint), torch.device("cpu"))
     problems = demo_greedy.problems
-    # The penalty alone would change greedy decoding's accuracy here (it penalises the repeated answer after ####).
+    # The penalty alone changes greedy decoding's accuracy on these problems (measured: 0.2 against 0.3), so a leaked
+    # one would show.
     assert greedy_accuracy(demo_greedy.model, tokenizer, problems, 16, repetition_penalty=1.5) != demo_greedy.accuracy
-    torch.manual_seed(0)
     assert dppo.evaluate(model, tokenizer, problems, 16, 20) == demo_greedy.accuracy
 
 
@@ -1641,7 +1641,7 @@ def test_smollm2_trains_with_a_clip_and_a_trust_region_objective(smollm2_checkpo
         dppo.main(["--model", str(smollm2_checkpoint), "--dataset", "arithmetic", "--objective", objective,
                    "--seed", str(seed), "--steps", "2", "--prompts_per_step", "4", "--samples_per_prompt", "4",
                    "--max_new_tokens", "24", "--temperature", "0.5", "--updates_per_step", "2",
-                   "--micro_batch_size", "8", "--learning_rate", "1e-5", "--eval_n", "1", "--eval_every", "2",
+                   "--micro_batch_size", "8", "--learning_rate", "1e-5", "--eval_n", "1",
                    "--output_dir", str(out)])
         steps = step_records(out)
         assert len(steps) == 2 and all(math.isfinite(v) for record in steps for v in record.values()), objective
