@@ -52,8 +52,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,6 +113,9 @@ class Config:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
     gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward of time")
+    precision: str = setting("auto", "'bf16': forward passes in bf16 over fp32 weights and AdamW (autocast; FSDP2's mixed "
+                                     "precision under torchrun); 'fp32'; 'auto': bf16 on CUDA, fp32 on CPU",
+                             choices=["auto", "bf16", "fp32"])
     # --- evaluation ---
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
@@ -244,7 +248,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     would otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
-    with full_weights(model), autocast(model):
+    with full_weights(model), autocast(model, cfg.precision):
         sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
                                    repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
                                    logits_processor=[recorder])
@@ -344,7 +348,7 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.rows(rows)
-        with autocast(model):
+        with autocast(model, cfg.precision):
             pi_old = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                      cfg.temperature, topk_ids=mb.topk_ids, with_entropy=True)
         for whole, part in zip(old, pi_old):
@@ -365,7 +369,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for mb in (batch.rows(rows) for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size)):
-            with autocast(model):
+            with autocast(model, cfg.precision):
                 pi = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                      cfg.temperature, mb.topk_ids if "topk" in needs else None, "entropy" in needs)
             token_loss, blocked = objective_loss(cfg, pi, mb.old, mb.advantages[:, None])
@@ -622,23 +626,27 @@ def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> t
     return log_normaliser - p.mul_(logits).sum(-1)
 
 
-def autocast(model):
-    """bf16 matmuls on CUDA over fp32 weights (no loss scaling needed); nothing on CPU, for a sampler copy already
-    in its dtype, or under FSDP2, whose mixed-precision policy casts the weights itself (see shard)."""
-    if model.device.type == "cuda" and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast(model, precision: str):
+    """--precision bf16: bf16 matmuls over fp32 weights (no loss scaling needed), on CUDA or CPU; nothing in fp32, for
+    a sampler copy already in its dtype, or under FSDP2, whose mixed-precision policy casts the weights (see shard)."""
+    if in_bf16(precision, model.device) and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
+        return torch.autocast(model.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def in_bf16(precision: str, device: torch.device) -> bool:
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
 # ============================================================================ evaluation
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int) -> float:
+def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int, precision="auto") -> float:
     """Greedy accuracy on problems (under torchrun each process answers every N-th and the counts add up)."""
     rank, world = rank_and_world()
     mine, correct = problems[rank::world], 0.0
-    with full_weights(model), autocast(model):
+    with full_weights(model), autocast(model, precision):
         for start in range(0, len(mine), batch_size):
             batch = mine[start : start + batch_size]
             inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
@@ -761,7 +769,7 @@ def main(argv=None) -> dict:
     # reward_history: --advantage sas's per-prompt reward statistics across visits
     first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, None, {})
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
-    evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size)  # noqa: E731
+    evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)  # noqa: E731
     # One JSON line per step and per evaluation, flushed as written: an interrupted run keeps every step it finished.
     with open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w") as metrics_file, \
             stop_on_ctrl_c():
@@ -900,25 +908,37 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
     """The policy and its tokenizer (from the checkpoint to resume, --model, or the demo's), the sampler, and AdamW."""
     with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
         checkpoint = str(resume_from) if resume_from else cfg.model or build_tiny_model(cfg.cache_dir)
-    model, tokenizer = load_policy(checkpoint, device, cfg.gradient_checkpointing)
+    sharded = dist.is_initialized()  # then the model is built empty and filled from rank 0, see fill_from_rank_0
+    model, tokenizer = load_policy(checkpoint, device, cfg.gradient_checkpointing, empty=sharded)
     if cfg.topk > model.get_output_embeddings().weight.shape[0]:
         fail(f"--topk {cfg.topk} is more than the model's {model.get_output_embeddings().weight.shape[0]} tokens")
     sampler = make_sampler(model, cfg.sampler_dtype)  # the policy itself unless --sampler_dtype is given
-    model = shard(model)
+    model = shard(model, in_bf16(cfg.precision, device))
+    if sharded:
+        whole = load_policy(checkpoint, torch.device("cpu"))[0] if rank_and_world()[0] == 0 else None
+        for module in {id(model): model, id(sampler): sampler}.values():
+            fill_from_rank_0(module, whole, device)
     return model, tokenizer, sampler, torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
 
 
-def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False):
+def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
     """A causal LM and its tokenizer, from the Hub or a directory. The checkpoint's generation_config.json (Qwen2.5
     ships temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1) is replaced by a blank one that keeps only
     its EOS ids, or generate() would fill every setting we leave unset from it. Dropout is off (every dropout
-    probability set to 0): the update runs in train mode, where pi must equal mu before the first step."""
+    probability set to 0): the update runs in train mode, where pi must equal mu before the first step. empty: the
+    model is built on the meta device, without its weights (fill_from_rank_0 fills it)."""
     try:
         tokenizer, config = AutoTokenizer.from_pretrained(name_or_path), AutoConfig.from_pretrained(name_or_path)
         for key, value in config.to_dict().items():
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, 0.0)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32).to(device)
+        if empty:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with contextlib.suppress(OSError):  # the EOS ids, as from_pretrained reads them
+                model.generation_config = GenerationConfig.from_pretrained(name_or_path)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32).to(device)
     except OSError as error:  # no such model on the Hub, or only part of it in the offline cache, ...
         fail(f"--model {name_or_path}: {first_line(error)}")
     if gradient_checkpointing:  # non-reentrant torch.utils.checkpoint per decoder layer, in train mode only
@@ -943,9 +963,11 @@ def make_sampler(model, sampler_dtype: str):
 
 @torch.no_grad()
 def refresh_sampler(sampler, model):
-    """The trained weights into the sampler copy, cast to its dtype (under torchrun, gathered whole)."""
+    """The trained weights into the sampler copy, cast to its dtype (under torchrun gathered one tensor at a time)."""
     if sampler is not model:
-        sampler.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        weights = sampler.state_dict()
+        for name, value in model.state_dict().items():
+            weights[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
 def check_model_source(name_or_path: str):
@@ -993,13 +1015,12 @@ def set_up_device(name: str) -> torch.device:
     return device
 
 
-def shard(model):
+def shard(model, bf16=False):
     """FSDP2 (fully_shard) per decoder layer, then the root: each process keeps 1/N of every parameter, gradient
-    and AdamW state. On GPUs the weights stay fp32, compute runs in bf16 and gradients reduce in fp32."""
+    and AdamW state. With bf16 (--precision) the weights stay fp32, compute runs in bf16, gradients reduce in fp32."""
     if not dist.is_initialized():
         return model
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if model.device.type == "cuda" else MixedPrecisionPolicy()
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     # policy_logprobs's hidden states include the layers' outputs, views that nothing here writes to in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for unit in [*model.get_decoder().layers, model]:  # each decoder layer, then the root
@@ -1007,6 +1028,20 @@ def shard(model):
         unit.set_gradient_divide_factor(1.0)  # token_weights divide by the whole mini-batch's count across
         unit.set_force_sum_reduction_for_comms(True)  # processes, so their gradients add up, not average
     return model
+
+
+def fill_from_rank_0(module, whole, device):
+    """Under torchrun only rank 0 reads the weights, into CPU memory (`whole`); every process has built `module` on
+    the meta device and sharded it. Allocate its share on `device` and fill it from rank 0, one tensor at a time:
+    the weights by broadcast through set_model_state_dict, then the buffers a state dict leaves out (RoPE's)."""
+    module.to_empty(device=device)
+    if isinstance(module, FSDPModule):  # (a sampler copy gets its weights from refresh_sampler before each rollout)
+        set_model_state_dict(module, whole.state_dict() if whole is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in module.named_buffers():
+        if whole is not None:
+            buffer.copy_(whole.get_buffer(name))
+        dist.broadcast(buffer, src=0)
 
 
 @contextlib.contextmanager
