@@ -38,6 +38,12 @@ from rewards import extract_answer, extract_gold, reward
 
 HERE = Path(__file__).parent
 
+# Tests marked cuda need a GPU: `python -m pytest -q -m cuda -s` runs them (and prints what they measure); without one
+# they are skipped. The marker is registered here, as the project's top level holds no pytest configuration file.
+if getattr(pytest.mark, "_config", None) is not None:
+    pytest.mark._config.addinivalue_line("markers", "cuda: needs a CUDA GPU (python -m pytest -q -m cuda -s)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run `python -m pytest -q -m cuda -s` on one")
+
 
 # ---------------------------------------------------------------------------- rewards
 
@@ -2120,13 +2126,14 @@ def test_help_exits_zero(capsys):
 
 # ---------------------------------------------------------------------------- torchrun: N processes, one update
 
-def torchrun(*args, timeout=300, while_running=None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node 2 ARGS` on this CPU (gloo). A hang fails the test: torchrun is then
+def torchrun(*args, timeout=300, while_running=None, nproc=2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node 2 ARGS` on this CPU (gloo; NCCL where a test asks for a GPU). A hang fails the test: torchrun is then
     sent SIGTERM, which it passes on to its workers. while_running(process), if given, is called once torchrun has
     started (to signal it, say); the timeout counts from its return. Output goes to files, not pipes, so that a
     process that writes a lot while nobody reads cannot block."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *map(str, args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, cwd=HERE)
         try:
@@ -2146,6 +2153,9 @@ def torchrun(*args, timeout=300, while_running=None) -> subprocess.CompletedProc
 
 EQUIVALENCE_CASES = [(objective, loss_agg) for objective in ("ppo_clip", "binary_tv")
                      for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_sum")]
+BF16_EQUIVALENCE_CASES = [("ppo_clip", "token_mean", "bf16"), ("topk_tv", "seq_sum", "bf16")]
+BF16_UPDATE_TOLERANCE = 0.05  # of the update's own size, per weight tensor: measured at most 1.9%
+BF16_LOGP_TOLERANCE = 1e-2  # |log mu - log pi| in bf16: about 1 bf16 step of the logits, max 2e-3 in 4 seeds
 
 
 def equivalence_batch(model) -> tuple:
@@ -2171,15 +2181,17 @@ def equivalence_batch(model) -> tuple:
     return rollout, advantages
 
 
-def one_update(checkpoint, objective: str, loss_agg: str) -> tuple[dict, dict]:
+def one_update(checkpoint, objective: str, loss_agg: str, precision="fp32") -> tuple[dict, dict]:
     """One SGD step (lr 1, no gradient clipping, so that a wrong gradient scale shows) on equivalence_batch, in
-    this process's share of it. Returns the whole updated weights and the step's metrics."""
+    this process's share of it. Returns the whole updated weights and the step's metrics. precision='bf16': bf16
+    autocast in one process, FSDP2's MixedPrecisionPolicy(bf16 parameters, fp32 reduction) on several."""
     rank, world = dppo.rank_and_world()
     model, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
     rollout, advantages = equivalence_batch(model)
     mine = torch.arange(8).chunk(world)[rank]
-    model = dppo.shard(model)
-    cfg = config(objective=objective, loss_agg=loss_agg, updates_per_step=1, micro_batch_size=2, max_grad_norm=1e9)
+    model = dppo.shard(model, bf16=precision == "bf16")
+    cfg = config(objective=objective, loss_agg=loss_agg, updates_per_step=1, micro_batch_size=2, max_grad_norm=1e9,
+                 precision=precision)
     metrics = dppo.update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), rollout.rows(mine), advantages[mine], cfg)
     return dppo.get_model_state_dict(model, options=dppo.StateDictOptions(full_state_dict=True, cpu_offload=True)), metrics
 
@@ -2196,7 +2208,7 @@ def distributed_checks(checkpoint, out):
     """Run under torchrun by test_distributed_checks: every equivalence case, then SAS over 3 visits."""
     dppo.set_up_device("cpu")
     rank, world = dppo.rank_and_world()
-    results = {case: one_update(checkpoint, *case) for case in EQUIVALENCE_CASES}
+    results = {case: one_update(checkpoint, *case) for case in EQUIVALENCE_CASES + BF16_EQUIVALENCE_CASES}
     history, cfg, advantages = {}, config(advantage="sas", samples_per_prompt=4, prompts_per_step=4), []
     for visit, indices in enumerate(SAS_VISITS):
         _, all_advantages = dppo.step_advantages(sas_rewards(visit).chunk(world)[rank].tolist(), indices, history, cfg)
@@ -2351,3 +2363,167 @@ def test_bad_input_under_torchrun_is_one_line_and_exit_2_everywhere_without_a_ha
     # torchrun's report: rank 0 exited with status 2 first (torchrun then stops the other, which was waiting to exit 2)
     root_cause = result.stderr.split("Root Cause")[1]
     assert result.returncode != 0 and "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- precision and models larger than a GPU
+
+@pytest.mark.parametrize("objective, loss_agg, precision", BF16_EQUIVALENCE_CASES)
+def test_one_bf16_update_on_two_processes_equals_one_process(tiny_checkpoint, two_process_results, objective, loss_agg,
+                                                               precision):
+    """bf16 autocast in one process against FSDP2's bf16 mixed precision on two (gloo carries the bf16 gathers)."""
+    weights, metrics = two_process_results["results"][(objective, loss_agg, precision)]
+    expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg, precision)
+    fp32_weights, _ = one_update(tiny_checkpoint, objective, loss_agg, "fp32")
+    before = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint).state_dict()
+    for name in expected_weights:
+        step = (expected_weights[name] - before[name]).abs().max()
+        gap = (weights[name] - expected_weights[name]).abs().max()
+        assert gap <= BF16_UPDATE_TOLERANCE * step + 1e-6, (name, gap, step)
+    # ... and bf16 did run: the update differs from fp32's by more than that tolerance somewhere
+    assert any((expected_weights[k] - fp32_weights[k]).abs().max() > 1e-4 for k in before)
+    assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=BF16_UPDATE_TOLERANCE, abs=1e-6)
+
+
+def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losses_stay_fp32(tiny_policy):
+    """--precision bf16 on a CPU: generate and the training pass run under bf16 autocast; mu, log pi, the ratio and
+    the loss are fp32 tensors computed from bf16 logits, and agree to bf16's rounding, not to fp32's."""
+    model, tokenizer = tiny_policy
+    prompts = [dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]]
+    cfg = config(precision="bf16", topk=5, max_new_tokens=12)
+    torch.manual_seed(1)
+    rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
+    args = (model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0)
+    with torch.no_grad():
+        with dppo.autocast(model, "bf16"):
+            bf16 = dppo.policy_logprobs(*args, topk_ids=rollout.topk_ids, with_entropy=True)
+        fp32 = dppo.policy_logprobs(*args, topk_ids=rollout.topk_ids, with_entropy=True)
+    m = rollout.completion_mask.bool()
+    assert all(x.dtype == torch.float32 for x in (*rollout.mu, *bf16))
+    for recorded, trained in ((rollout.mu.logp, bf16.logp), (rollout.mu.topk_logp, bf16.topk_logp)):
+        assert (trained - recorded).abs()[m].max() <= BF16_LOGP_TOLERANCE  # KV-cache and teacher-forced, both bf16
+    # mu came from bf16 logits, not fp32 ones: mean gaps over the top-K measured 1-4e-5 (bf16) against 5.5e-4 (fp32)
+    bf16_gap, fp32_gap = ((pass_.topk_logp - rollout.mu.topk_logp).abs()[m].mean() for pass_ in (bf16, fp32))
+    assert bf16_gap < 0.2 * fp32_gap, (bf16_gap, fp32_gap)
+    advantages = torch.randn(len(prompts) * 2, 1, generator=torch.Generator().manual_seed(0))
+    for objective in dppo.OBJECTIVES:
+        loss, blocked = dppo.objective_loss(config(objective=objective), bf16, rollout.mu, advantages)
+        assert loss.dtype == torch.float32 and torch.isfinite(loss).all(), objective
+
+
+@pytest.mark.parametrize("objective", dppo.OBJECTIVES)
+def test_every_objective_trains_two_steps_in_bf16_on_a_cpu(demo_cache, tmp_path, objective):
+    dppo.main(["--cache_dir", demo_cache, "--objective", objective, "--precision", "bf16", "--steps", "2",
+               "--prompts_per_step", "8", "--eval_n", "20", "--eval_every", "2", "--output_dir", str(tmp_path)])
+    steps = step_records(tmp_path)
+    assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
+    assert all(record["grad_norm"] > 0 for record in steps)
+    # bf16 ran: the KV-cache pass and the teacher-forced one now round differently (fp32 on a CPU: ~3e-8)
+    assert steps[0]["policy/mismatch_first_update_mean"] > 1e-6
+
+
+def sharded_load_checks(checkpoint, out):
+    """Run under torchrun by the test below: load_model as main does, and what it cost each process."""
+    dppo.set_up_device("cpu")
+    rank, world = dppo.rank_and_world()
+    rss = lambda: next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))  # noqa: E731
+    dppo.reset_peak_memory(torch.device("cpu"))
+    before = rss()
+    model, tokenizer, sampler, _ = dppo.load_model(config(model=str(checkpoint)), None, torch.device("cpu"))
+    peak_mib = dppo.peak_memory_mb(torch.device("cpu")) - before
+    weights = dppo.get_model_state_dict(model, options=dppo.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    bf16_sampler = dppo.make_sampler(dppo.load_policy(str(checkpoint), torch.device("cpu"), empty=True)[0], "bfloat16")
+    dppo.fill_from_rank_0(bf16_sampler, None if rank else dppo.load_policy(str(checkpoint), torch.device("cpu"))[0], "cpu")
+    dppo.refresh_sampler(bf16_sampler, model)
+    results = dppo.gathered([{"rank": rank, "peak_mib": peak_mib, "eos": model.generation_config.eos_token_id,
+                              "sampler": {k: v.clone() for k, v in bf16_sampler.state_dict().items()},
+                              "sampler_buffers": dict(bf16_sampler.named_buffers())}])
+    if rank == 0:
+        torch.save({"weights": weights, "buffers": buffers, "processes": results}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_load(tmp_path):
+    """Under torchrun only rank 0 reads the checkpoint (into CPU memory); the others build the model on the meta device,
+    and each shard is filled by broadcast. The weights, RoPE's buffers and the EOS ids equal a whole load, and rank 1
+    never holds a whole fp32 copy: 12 layers of 3.2M parameters (155 MiB), no tensor above 3 MiB."""
+    checkpoint = write_tiny_checkpoint(tmp_path / "model", vocab_size=1000, hidden_size=512, intermediate_size=1408,
+                                       num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2)
+    out = tmp_path / "results.pt"
+    script = tmp_path / "checks.py"
+    script.write_text(f"import test_dppo\ntest_dppo.sharded_load_checks({str(checkpoint)!r}, {str(out)!r})\n")
+    result = torchrun(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = torch.load(out, weights_only=False)
+    whole, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
+    fp32_mib = sum(p.numel() for p in whole.parameters()) * 4 / 2**20
+    assert set(results["weights"]) == set(whole.state_dict())
+    assert all(torch.equal(results["weights"][k], v) for k, v in whole.state_dict().items())
+    assert all(torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers())  # inv_freq is not in a state dict
+    cast = dppo.make_sampler(whole, "bfloat16")
+    for process in results["processes"]:
+        assert process["eos"] == whole.generation_config.eos_token_id
+        assert all(torch.equal(process["sampler"][k], v) for k, v in cast.state_dict().items()), process["rank"]
+        assert all(torch.equal(process["sampler_buffers"][k], v) for k, v in cast.named_buffers()), process["rank"]
+    rank_1 = results["processes"][1]["peak_mib"]
+    print(f"loading a {fp32_mib:.0f} MiB fp32 model on 2 processes: peak RSS growth {results['processes'][0]['peak_mib']:.0f} "
+          f"MiB on rank 0, {rank_1:.0f} MiB on rank 1")
+    assert rank_1 < 0.75 * fp32_mib  # its half of the weights, and one tensor at a time in flight
+
+
+# ---------------------------------------------------------------------------- on a GPU: python -m pytest -q -m cuda -s
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("objective", dppo.OBJECTIVES)
+def test_cuda_every_objective_trains_two_steps_in_bf16(demo_cache, tmp_path, objective):
+    dppo.main(["--cache_dir", demo_cache, "--device", "cuda", "--objective", objective, "--steps", "2",
+               "--prompts_per_step", "8", "--eval_n", "20", "--eval_every", "2", "--output_dir", str(tmp_path)])
+    steps = step_records(tmp_path)
+    assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
+    assert all(record["grad_norm"] > 0 and record["memory/update_peak_mb"] > 0 for record in steps)
+    assert steps[0]["policy/mismatch_first_update_mean"] > 1e-6  # autocast ran: bf16's rounding shows
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_bf16_sampler_mismatch_at_update_1_is_in_the_measured_range(demo_cache, tmp_path):
+    """fp32 training against a bf16 sampler copy: the training-inference mismatch |pi - mu| on each step's first update,
+    6-8e-4 on a CPU for the demo's first 3 steps (README); the GPU's kernels round differently, within a factor of 10."""
+    dppo.main(["--cache_dir", demo_cache, "--device", "cuda", "--precision", "fp32", "--sampler_dtype", "bfloat16",
+               "--steps", "3", "--eval_n", "20", "--eval_every", "3", "--output_dir", str(tmp_path)])
+    mismatch = [record["policy/mismatch_first_update_mean"] for record in step_records(tmp_path)]
+    print(f"bf16 sampler, fp32 policy on the GPU: mismatch at update 1 = {mismatch}")
+    assert all(7e-5 < value < 7e-3 for value in mismatch), mismatch
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_torchrun_one_process_with_nccl_and_fsdp2_mixed_precision(demo_cache, tmp_path):
+    result = torchrun(HERE / "dppo.py", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--steps", "2",
+                      "--eval_n", "20", "--eval_every", "2", "--objective", "topk_tv", "--output_dir", tmp_path,
+                      nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = step_records(tmp_path)
+    assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
+    assert steps[0]["policy/mismatch_first_update_mean"] > 1e-6  # FSDP2 cast the weights to bf16
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_throughput(tmp_path):
+    """A random model of Qwen2.5-0.5B's shape and vocabulary (151,936 rows; the tokenizer is the tiny one), one RL
+    step at the single-GPU defaults: P = 32, G = 8, up to 512 new tokens (a random model rarely stops: 512)."""
+    checkpoint = write_tiny_checkpoint(tmp_path / "qwen25-05b-shape", vocab_size=QWEN_VOCAB_SIZE, hidden_size=896,
+                                       intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                       num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6)
+    out = tmp_path / "run"
+    dppo.main(["--model", str(checkpoint), "--dataset", "arithmetic", "--steps", "1", "--eval_n", "1",
+               "--eval_every", "1", "--output_dir", str(out)])
+    step = step_records(out)[0]
+    print(f"\n{torch.cuda.get_device_name()}, Qwen2.5-0.5B shape, P=32 G=8, {step['completion/length_mean']:.0f} new "
+          f"tokens per completion: rollout {step['time/rollout_s']:.1f} s, "
+          f"{step['throughput/generated_tokens_per_s']:.0f} tokens/s, peak {step['memory/rollout_peak_mb'] / 1024:.1f} GiB; "
+          f"update (M=4) {step['time/update_s']:.1f} s, {step['throughput/trained_tokens_per_s']:.0f} tokens/s, "
+          f"peak {step['memory/update_peak_mb'] / 1024:.1f} GiB")
+    assert math.isfinite(step["loss"]) and step["memory/update_peak_mb"] > 1024
