@@ -16,15 +16,17 @@ The algorithm in this file's names; rl_step is one step, and the file reads in t
         advantages per group of G completions                                        grpo_advantages | sas_advantages
         [--recompute_old: the trust region's anchor becomes pi_old]                  recompute_anchor
         M mini-batches, one AdamW step each, on                                      update_policy
-          sum_t token_weights * loss_t(log pi, anchor, A)                            token_weights, objective_loss
-          loss_t = pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | dppo_loss(binary_tv | binary_kl | topk_tv | topk_kl)
+          sum_t token_weights * [correction] * loss_t(log pi, anchor, A)             token_weights, rollout_correction
+          loss_t = pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | cispo_loss       objective_loss
+                   | gspo_loss | dppo_loss(binary_tv | binary_kl | topk_tv | topk_kl)
           log pi from one teacher-forced pass, the output layer in chunks            policy_logprobs
         every eval_every steps: greedy held-out accuracy                             evaluate
 
 Simplifications, stated once:
-  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it,
-    and the importance ratio with it, to a recomputed pi_old (the paper's ablation keeps that ratio against
-    mu). The top-K divergences always partition the vocabulary by mu's top-K ids.
+  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it to
+    a recomputed pi_old and keeps the importance ratio against mu through a rollout-correction weight on pi_old/mu
+    (the paper's ablation; truncated at 2 by default, so exactly the paper's only while pi_old/mu <= 2). The top-K
+    divergences always partition the vocabulary by mu's top-K ids.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
   - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output
     layer runs on a chunk of positions at a time under activation checkpointing.
@@ -91,10 +93,15 @@ class Config:
     scale_rewards: str = setting("group", "GRPO: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
                                  choices=["group", "none"])
     loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
-                            choices=["token_mean", "seq_mean_token_mean", "seq_sum"])
+                            choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"])
+    skip_zero_advantage: bool = setting(False, "leave completions with A = 0 (under GRPO: the groups whose rewards are "
+                                               "all equal) out of the loss's normaliser")
     # --- trust regions; each objective reads only its own ---
-    clip_low: float = setting(0.2, "ppo_clip, erc: ratio clipped below at 1 - eps_low; dcpo: eps_low of its bounds")
-    clip_high: float = setting(0.28, "ppo_clip, erc: ratio clipped above at 1 + eps_high (DAPO clip-higher); dcpo: eps_high")
+    clip_low: float = setting(0.2, "ppo_clip, erc, gspo: ratio clipped below at 1 - eps_low (cispo: its weight); dcpo: eps_low")
+    clip_high: float = setting(0.28, "ppo_clip, erc, gspo: ratio clipped above at 1 + eps_high (cispo: its weight); dcpo: eps_high")
+    relax_clip: str = setting("none", "ppo_clip: tokens with mu(a_t) < --relax_below escape the 'high' clip, the 'low' one or "
+                                      "'both' (the DPPO paper's relaxed-clip ablation)", choices=["none", "high", "low", "both"])
+    relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
     dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
     erc_beta_low: float = setting(0.05, "erc: keep a token's gradient only if its entropy ratio is above 1 - beta_low")
@@ -104,6 +111,13 @@ class Config:
     is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
     recompute_old: bool = setting(False, "anchor the trust region to pi_old, a no-grad pass of the policy before the step's "
                                          "first update, instead of to mu as sampled (the DPPO paper's ablation)")
+    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu that keeps the importance ratio against "
+                                             "mu: 'tis' min(w, cap); 'token_mis' 0 outside [low, high]; 'seq_mis' the same on "
+                                             "a completion's geometric-mean w; 'none': no weight (ratio pi/pi_old)",
+                                      choices=["tis", "token_mis", "seq_mis", "none"])
+    correction_cap: float = setting(2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
+    correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop preset)")
+    correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop preset)")
     # --- optimisation ---
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
@@ -132,6 +146,8 @@ class Config:
 # Defaults that belong to a method rather than to the run: DCPO (arXiv 2509.02333) is SAS advantages plus its
 # "only token mean" aggregation, and DPPO's KL variants (arXiv 2602.04879) use a smaller threshold than its TV ones.
 OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
+                      "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
+                      "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
                       "binary_kl": dict(delta_low=0.05, delta_high=0.05),
                       "topk_kl": dict(delta_low=0.05, delta_high=0.05)}
 
@@ -229,6 +245,7 @@ class Rollout:
     old: LogProbs                  # the anchor: mu, or pi_old (recompute_anchor)
     texts: list[str]               # the completions as text, up to the first EOS
     advantages: Optional[torch.Tensor] = None  # (B,)   set for the update
+    correction: Optional[torch.Tensor] = None  # (B, T) --recompute_old's rollout correction (else 1), set for the update
     weights: Optional[torch.Tensor] = None     # (B, T) the aggregation's token weights, set per mini-batch
 
     def rows(self, index: torch.Tensor) -> "Rollout":
@@ -239,7 +256,7 @@ class Rollout:
         return Rollout(self.prompt_ids[index, first:], self.prompt_mask[index, first:], cut(self.completion_ids),
                        cut(self.completion_mask), cut(self.topk_ids), LogProbs(*map(cut, self.mu)),
                        LogProbs(*map(cut, self.old)), [self.texts[i] for i in index],
-                       None if self.advantages is None else self.advantages[index], cut(self.weights))
+                       None if self.advantages is None else self.advantages[index], cut(self.correction), cut(self.weights))
 
 
 @torch.no_grad()
@@ -356,23 +373,56 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     return dataclasses.replace(rollout, old=old)
 
 
+@torch.no_grad()
+def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
+    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): the trust region measures
+    from pi_old, the importance weight stays against mu. A pi_old-anchored loss times this weight on w = pi_old / mu
+    (mode 'tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi, M from pi_old. As verl applies it:
+        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
+        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
+    Returns the weight (B, T) and the real tokens it truncated or zeroed."""
+    real = mask.bool()
+    log_w = torch.where(real, logp_old - logp_mu.clamp(min=LOG_EPS), 0.0)
+    w = log_w.exp()
+    if mode == "none":
+        weight, flagged = torch.ones_like(w), torch.zeros_like(real)
+    elif mode == "token_mis":
+        kept = (w >= low) & (w <= high)
+        weight, flagged = torch.where(kept, w, 0.0), ~kept
+    else:
+        weight, flagged = w.clamp(max=cap), w > cap
+        if mode == "seq_mis":
+            geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
+            kept = (geometric_mean >= low) & (geometric_mean <= high)
+            weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
+    return weight * real, flagged & real
+
+
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
     """M optimizer steps on one rollout batch: shuffle, split into M mini-batches, and for each accumulate the
     gradient a micro-batch at a time, clip its norm, and step. Returns the step's diagnostics."""
-    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device))
-    needs = OBJECTIVES[cfg.objective][1]
+    needs, mask = OBJECTIVES[cfg.objective][1], rollout.completion_mask
     stats, losses, grad_norms = TokenStats(), [], []
+    correction = torch.ones_like(mask)
+    if cfg.recompute_old:  # the paper's form: the trust region measures from pi_old, the importance weight from mu
+        correction, flagged = rollout_correction(rollout.old.logp, rollout.mu.logp, mask, cfg.rollout_correction,
+                                                 cfg.correction_cap, cfg.correction_low, cfg.correction_high)
+        stats.add("rollout_correction/weight", correction[mask.bool()])
+        stats.add("rollout_correction/flagged_frac", flagged[mask.bool()].float())
+        stats.add("policy/abs_old_minus_mu", (rollout.old.logp.exp() - rollout.mu.logp.exp()).abs()[mask.bool()])
+    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device), correction=correction)
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
     for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
         batch = rollout.rows(minibatch)
-        batch.weights = token_weights(batch.completion_mask, cfg.loss_agg)  # over the whole mini-batch
+        counted = batch.completion_mask * (batch.advantages != 0)[:, None] if cfg.skip_zero_advantage else batch.completion_mask
+        batch.weights = token_weights(counted, cfg.loss_agg, cfg.max_new_tokens) * batch.correction  # whole mini-batch
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for mb in (batch.rows(rows) for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size)):
             with autocast(model, cfg.precision):
                 pi = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                      cfg.temperature, mb.topk_ids if "topk" in needs else None, "entropy" in needs)
-            token_loss, blocked = objective_loss(cfg, pi, mb.old, mb.advantages[:, None])
+            token_loss, blocked = objective_loss(cfg, pi, mb.old, mb.advantages[:, None], mb.completion_mask)
             micro_loss = (token_loss * mb.weights).sum()
             micro_loss.backward()
             loss += micro_loss.item()
@@ -385,19 +435,20 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
                                      f"in update {len(losses)} of {cfg.updates_per_step}")
         optimizer.step()
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
-    if cfg.recompute_old:  # how far the anchor pi_old is from mu: the sampler's numerics
-        stats.add("policy/abs_old_minus_mu", (rollout.old.logp.exp() - rollout.mu.logp.exp()).abs()[rollout.completion_mask.bool()])
     return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms), **stats.metrics()}
 
 
-def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) -> torch.Tensor:
     """Per-token weights w with sum(w * l) = the mini-batch's loss, over the whole mini-batch, so micro-batches do not
-    change the update; under torchrun over all processes (a local count would weigh a token by its neighbours)."""
+    change the update; under torchrun over all processes (a local count would weigh a token by its neighbours).
+    A row of zeros (--skip_zero_advantage) is left out of every count."""
     if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token of the mini-batch counts the same
-        return mask / all_processes([mask.sum()])[0]
-    completions = all_processes([mask.shape[0]])[0]
+        return mask / max(all_processes([mask.sum()])[0], 1)
+    completions = max(all_processes([(mask.sum(1) > 0).sum()])[0], 1)
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
-        return mask / mask.sum(1, keepdim=True) / completions
+        return mask / mask.sum(1, keepdim=True).clamp(min=1) / completions
+    if loss_agg == "seq_sum_norm":  # Dr. GRPO (arXiv 2503.20783): each one's token sum over a constant, the length limit
+        return mask / max_new_tokens / completions
     return mask / completions  # seq_sum: mean over completions of each one's token sum (DCPO's OTM)
 
 
@@ -408,27 +459,30 @@ def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
 # trust region gives no gradient. No Config inside: each can be copied on its own.
 
 
-def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor) -> tuple:
+def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
     """--objective's per-token loss for one micro-batch: pi's log-probs from the training pass, the anchor's
-    (`old`), and the advantages (B, 1). A sampled token has mu(a_t) > 0; should a recorded log mu round to
+    (`old`), the advantages (B, 1) and the completion mask (B, T). A sampled token has mu(a_t) > 0; should a recorded log mu round to
     -inf, it counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
     loss, _ = OBJECTIVES[cfg.objective]
-    return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, cfg)
+    return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
 
 
-def dppo_objective(pi, old, A, c):
+def dppo_objective(pi, old, A, m, c):
     """DPPO's loss with --objective's divergence between the anchor and pi."""
     return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
 
 
-# --objective -> (its loss from pi's and the anchor's LogProbs, the advantages and the Config;
+# --objective -> (its loss from pi's and the anchor's LogProbs, the advantages, the completion mask and the Config;
 #                 what pi's training forward pass must compute besides log pi(a_t))
 OBJECTIVES = {
-    "pg": (lambda pi, old, A, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
-    "ppo_clip": (lambda pi, old, A, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip), ()),
-    "dcpo": (lambda pi, old, A, c: dcpo_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dcpo_r_max, c.dual_clip), ()),
-    "erc": (lambda pi, old, A, c: erc_loss(pi.logp, old.logp, A, pi.entropy, old.entropy, c.clip_low, c.clip_high,
-                                           c.dual_clip, c.erc_beta_low, c.erc_beta_high), ("entropy",)),
+    "pg": (lambda pi, old, A, m, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
+    "ppo_clip": (lambda pi, old, A, m, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip,
+                                                        c.relax_clip, c.relax_below), ()),
+    "dcpo": (lambda pi, old, A, m, c: dcpo_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dcpo_r_max, c.dual_clip), ()),
+    "erc": (lambda pi, old, A, m, c: erc_loss(pi.logp, old.logp, A, pi.entropy, old.entropy, c.clip_low, c.clip_high,
+                                              c.dual_clip, c.erc_beta_low, c.erc_beta_high), ("entropy",)),
+    "cispo": (lambda pi, old, A, m, c: cispo_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high), ()),
+    "gspo": (lambda pi, old, A, m, c: gspo_loss(pi.logp, old.logp, A, m, c.clip_low, c.clip_high), ()),
     "binary_tv": (dppo_objective, ()),
     "binary_kl": (dppo_objective, ()),
     "topk_tv": (dppo_objective, ("topk",)),
@@ -463,9 +517,16 @@ def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_cl
     return loss, clipped
 
 
-def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0):
-    """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high]."""
-    return clipped_surrogate(logp, logp_old, advantages, 1 - clip_low, 1 + clip_high, dual_clip)
+def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0, relax="none", relax_below=0.1):
+    """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high].
+    relax: the DPPO paper's relaxed clip (arXiv 2602.04879, section 6; Stable-RL's ppo_ablation_positive/negative/both):
+    a token with mu(a_t) < relax_below escapes the bound on the 'high' side (A > 0), the 'low' side (A < 0) or 'both'."""
+    ratio_low, ratio_high = 1 - clip_low, 1 + clip_high
+    if relax != "none":
+        rare = logp_old.detach().exp() < relax_below
+        ratio_low = torch.where(rare & (relax in ("low", "both")), 0.0, torch.full_like(logp_old, ratio_low))
+        ratio_high = torch.where(rare & (relax in ("high", "both")), math.inf, torch.full_like(logp_old, ratio_high))
+    return clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip)
 
 
 def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
@@ -499,6 +560,30 @@ def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
     """ERC's band: 1 - beta_low < (H_pi + 1e-8) / (H_mu + 1e-8) < 1 + beta_high."""
     rho = (entropy_pi + 1e-8) / (entropy_old + 1e-8)
     return (rho > 1 - beta_low) & (rho < 1 + beta_high)
+
+
+def cispo_loss(logp, logp_old, advantages, clip_low=1.0, clip_high=4.0):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token:
+        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi
+    Nothing is blocked. Defaults: no lower bound (eps_low = 1; MiniMax-M1 sets eps_low "to a large value"), a cap of
+    5 (eps_high = 4: ScaleRL's eps_max, arXiv 2510.13786). The DPPO paper's PG-TIS is pg with --is_cap 3 instead."""
+    weight = torch.exp(logp - logp_old).detach().clamp(1 - clip_low, 1 + clip_high)
+    return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
+
+
+def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO (arXiv 2507.18071, its GSPO-token form): one ratio per completion, the geometric mean of its tokens' ones,
+        s_i = exp(mean_t log(pi / mu)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
+        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))
+    Blocked: every token of a completion whose clip binds. Defaults: the paper's eps 3e-4 / 4e-4 and its sequence-level
+    aggregation (seq_mean_token_mean). No clamp on log s (verl clamps at 10): log mu >= log 1e-12 keeps it finite."""
+    real = mask.bool()
+    log_ratio = torch.where(real, logp - logp_old, 0.0)  # padding neither enters the mean nor can poison it
+    log_s = log_ratio.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
+    loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
+    blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
+    return loss, blocked & real
 
 
 def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
@@ -698,7 +783,10 @@ def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, b
                          "trust_region/blocked_rare_frac": blocked & (q < RARE_TOKEN_MU), "policy/abs_pi_minus_mu": (p - q).abs(),
                          "policy/mismatch_first_update" if first_update else "policy/drift_later_updates": (p - q).abs()}.items():
         stats.add(name, values[m].float())
-    if cfg.objective in ("ppo_clip", "dcpo", "erc"):  # would DPPO's binary-TV mask have blocked them too?
+    if cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
+        ratio = (pi.logp - mb.old.logp).exp()
+        stats.add("cispo/clipped_frac", ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))[m].float())
+    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
         tv = dppo_blocked(pi.logp, mb.old.logp, A, binary_tv(mb.old.logp, pi.logp), DIAGNOSTIC_TV_DELTA, DIAGNOSTIC_TV_DELTA)
         stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv)[m].float())
     if cfg.objective == "erc":
@@ -1194,8 +1282,8 @@ def check_config(cfg: Config):
         value = getattr(cfg, f.name)
         if type(value) in (int, float) and f.name not in ("epochs", "weight_decay", "seed", "save_every") and not value > 0:
             fail(f"--{f.name} must be > 0, got {value}")
-    if cfg.clip_low >= 1:
-        fail(f"--clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
+    if cfg.clip_low > 1:
+        fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.samples_per_prompt < 2:
         fail(f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step

@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never wai
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import base64
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -561,7 +562,7 @@ def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
     cfg = dppo.parse_config(["--objective", objective])  # with the objective's own default thresholds
     assert cfg.delta_low == cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
     assert (divergence[:4] > cfg.delta_high).all() and (divergence[4:6] < cfg.delta_low).all()
-    loss, blocked = dppo.objective_loss(cfg, pi, old, A)
+    loss, blocked = dppo.objective_loss(cfg, pi, old, A, torch.ones_like(A))
     assert blocked.tolist() == expected
     loss.sum().backward()
     r = torch.tensor(DPPO_VARIANT_P) / 0.5
@@ -579,8 +580,9 @@ def extreme_log_probs(g: torch.Generator, shape, smallest=-math.inf) -> torch.Te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
     """Losses, masks and gradients stay finite for log-probs of 0 and -30, p and q of 0 or 1 (mu's recorded
-    log-probs exactly -inf), K log-probs that all say 1, zero and huge entropies, huge advantages, and inputs rounded
-    through bf16, in every combination a seeded generator draws."""
+    log-probs exactly -inf), K log-probs that all say 1, zero and huge entropies, huge advantages, completions of
+    0 to T tokens (GSPO's per-completion mean), and inputs rounded through bf16, in every combination a seeded
+    generator draws."""
     g = torch.Generator().manual_seed(0)
     B, T, K = 64, 64, 4  # 4,096 token cases per objective and dtype
     for objective in dppo.OBJECTIVES:
@@ -592,7 +594,9 @@ def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
         pi = dppo.LogProbs(logp, extreme_log_probs(g, (B, T, K)).to(dtype).float(),
                            torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
         advantages = torch.tensor([-1e4, -1.0, 0.0, 1e-6, 1.0, 1e4])[torch.randint(0, 6, (B, 1), generator=g)]
-        loss, blocked = dppo.objective_loss(config(objective=objective), pi, old, advantages)
+        mask = (torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)).float()
+        cfg = dppo.parse_config(["--objective", objective])  # with its own defaults (cispo's weight in [0, 5])
+        loss, blocked = dppo.objective_loss(cfg, pi, old, advantages, mask)
         loss.sum().backward()
         assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), objective
         assert blocked.dtype == torch.bool and blocked.shape == loss.shape, objective
@@ -707,9 +711,216 @@ def test_erc_with_asymmetric_betas_on_top_of_an_asymmetric_ppo_clip():
     assert torch.allclose(logp.grad, grad, atol=1e-5)
 
 
+# ---------------------------------------------------------------------------- CISPO, GSPO, relaxed clip, rollout correction
+# On float64 rows, so that a number built from another one (a bound equal to a ratio) is equal bit for bit.
+
+def logs(*ps) -> torch.Tensor:  # log-probabilities of the given probabilities, one (1, T) row
+    return torch.tensor(ps, dtype=torch.float64).log()[None]
+
+
+def d_loss_d_logp(loss, logp):  # d (sum of loss) / d log pi, per token
+    return torch.autograd.grad(loss.sum(), logp, retain_graph=True)[0]
+
+
+def near(x, rows) -> bool:  # a tensor against nested lists of hand-computed numbers
+    return torch.allclose(x.detach().double(), torch.tensor(rows, dtype=torch.float64))
+
+
+# (A, r, d loss / d log pi) for CISPO with eps 0.2 / 0.28: the weight is clip(r, 0.8, 1.28), no gradient through it
+CISPO_CASES = [(+2.0, 1.5, -2.56),  # weight clipped to 1.28: -A * 1.28 (ppo_clip blocks the token)
+               (-1.0, 0.5, 0.8),    # weight clipped to 0.8: -A * 0.8 (ppo_clip blocks the token)
+               (+1.0, 1.1, -1.1),   # inside: -A * r (were r differentiated too: -1.1 * (1 + log 0.44) = -0.1969)
+               (-1.0, 1.5, 1.28),   # A < 0, moving back: the weight is still clipped
+               (+1.0, 0.5, -0.8)]   # A > 0, moving back: likewise
+
+
+def test_cispo_clips_the_weight_and_never_the_token():
+    A, r, grad = (torch.tensor(column, dtype=torch.float64) for column in zip(*CISPO_CASES))
+    logp_mu = torch.full_like(r, math.log(0.4))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, blocked = dppo.cispo_loss(logp, logp_mu, A, clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(d_loss_d_logp(loss, logp), grad)
+    assert torch.allclose(loss, grad * logp.detach())  # l = -sg(clip(r)) * A * log pi
+    assert not blocked.any()
+    assert dppo.ppo_clip_loss(logp, logp_mu, A)[1].tolist() == [True, True, False, False, False]
+
+
+def test_cispo_defaults_leave_no_lower_bound_and_cap_the_weight_at_5():
+    # defaults eps 1 / 4: weight clip(r, 0, 5). r = 0.01 (pi 0.001, mu 0.1) keeps 0.01; r = 50 (0.5 / 0.01) gets 5.
+    logp, logp_mu, A = logs(0.001, 0.5).requires_grad_(), logs(0.1, 0.01), torch.ones(1, 1, dtype=torch.float64)
+    assert near(d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A)[0], logp), [[-0.01, -5.0]])
+    assert dppo.parse_config(["--objective", "cispo"]).clip_low == 1.0  # allowed: 1 - eps_low = 0, no lower bound
+    # C = inf: plain importance weighting, -A * 50; a ratio exactly at 1 + eps_high is not clipped
+    assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 1.0, math.inf)[0], logp)[0, 1].item() == pytest.approx(-50.0)
+    r = torch.exp(logp - logp_mu)[0, 1].item()
+    assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 0.2, r - 1)[0], logp)[0, 1].item() == -r
+
+
+def test_gspo_takes_one_ratio_per_completion_over_its_real_tokens_whatever_the_padding():
+    # Completion 1, 3 tokens, log(pi/mu) = 0.3, -0.1, 0.1: mean 0.1, s_1 = e^0.1 = 1.10517 > 1 + 4e-4: clipped and
+    # blocked for A > 0, loss -1.0004 on each token, no gradient. Completion 2, 2 tokens and a padding slot,
+    # log(pi/mu) = 2e-4, 4e-4: s_2 = e^3e-4 = 1.00030005 inside [1 - 3e-4, 1 + 4e-4]: loss and d loss_t / d log pi_t
+    # = -A * s_2, each token's own only (s_it = sg(s_i) * pi_t / sg(pi_t)). The padding slot's content changes nothing.
+    logp_mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, 0.0]], dtype=torch.float64)
+    mask, A, s2 = torch.tensor([[1.0, 1, 1], [1, 1, 0]]), torch.ones(2, 1, dtype=torch.float64), math.exp(3e-4)
+    for pad in (math.nan, 7.0, -30.0, 0.0):
+        logp = logp_mu + torch.tensor([[0.3, -0.1, 0.1], [2e-4, 4e-4, 0.0]], dtype=torch.float64)
+        logp[1, 2] = pad
+        logp.requires_grad_()
+        loss, blocked = dppo.gspo_loss(logp, logp_mu, A, mask)
+        assert near(loss[:, :2], [[-1.0004, -1.0004], [-s2, -s2]]) and loss[0, 2].item() == pytest.approx(-1.0004)
+        assert blocked.tolist() == [[True, True, True], [False, False, False]]  # padding is never marked
+        assert near(d_loss_d_logp(loss * mask, logp), [[0.0, 0.0, 0.0], [-s2, -s2, 0.0]])
+        assert near(d_loss_d_logp(loss[1, 0], logp), [[0.0, 0.0, 0.0], [-s2, 0.0, 0.0]])
+    # objective_loss hands gspo the completion mask: were the (0.0) padding slot counted, s_2 would be e^2e-4
+    pi, old = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
+    cfg = dppo.parse_config(["--objective", "gspo"])
+    assert torch.equal(dppo.objective_loss(cfg, pi, old, A, mask)[0], loss)
+
+
+def test_gspo_with_negative_advantages_at_its_bounds_and_on_policy():
+    # A = -1. Completion 1, s = e^0.1 = 1.10517 > 1 + eps_high: the unclipped side for A < 0, gradient -A * s per
+    # token. Completion 2, log ratios -0.01: s = e^-0.01 < 1 - 3e-4: blocked, loss -A * (1 - 3e-4) = 0.9997.
+    logp_mu = torch.tensor([[-1.0, -2.0], [-0.7, -1.2]], dtype=torch.float64)
+    logp = (logp_mu + torch.tensor([[0.1, 0.1], [-0.01, -0.01]], dtype=torch.float64)).requires_grad_()
+    loss, blocked = dppo.gspo_loss(logp, logp_mu, -torch.ones(2, 1, dtype=torch.float64), torch.ones(2, 2))
+    assert near(d_loss_d_logp(loss, logp), [[math.exp(0.1)] * 2, [0.0, 0.0]])
+    assert blocked.tolist() == [[False, False], [True, True]] and near(loss[1], [0.9997, 0.9997])
+    # s exactly on the upper bound (eps_high = s - 1, s as the mean of the row's log ratios gives it): not blocked,
+    # the whole gradient -A * s
+    logp = (logp_mu[:1] + 0.001).requires_grad_()
+    s = torch.exp((logp - logp_mu[:1]).sum() / 2).item()  # e^0.001, to the last bit as gspo_loss computes it
+    loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.ones(1, 1), torch.ones(1, 2), 3e-4, s - 1)
+    assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-s, -s]])
+    # on policy, s = 1: gradient -A on every real token, nothing blocked
+    logp = logp_mu[:1].clone().requires_grad_()
+    loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.full((1, 1), 0.5), torch.tensor([[1.0, 0.0]]))
+    assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-0.5, 0.0]])
+
+
+# The relaxed clip on one rare token (mu 0.05 < alpha = 0.1) and one common (mu 0.5), both moved away by r = 2 with
+# A = +1 or r = 0.5 with A = -1: the rare one escapes on the relaxed side, gradient -A * r = -2 or +0.5 (loss -2 or
+# +0.5); the common one is clipped as by ppo_clip (loss -1.28 or 0.8, no gradient). (A, r, relax) -> (rare blocked?)
+RELAXED_CASES = [(+1.0, 2.0, "none", True), (+1.0, 2.0, "high", False), (+1.0, 2.0, "low", True),
+                 (+1.0, 2.0, "both", False), (-1.0, 0.5, "none", True), (-1.0, 0.5, "high", True),
+                 (-1.0, 0.5, "low", False), (-1.0, 0.5, "both", False)]
+
+
+@pytest.mark.parametrize("A, r, relax, rare_blocked", RELAXED_CASES)
+def test_relaxed_clip_lets_rare_tokens_escape_on_its_side_only(A, r, relax, rare_blocked):
+    logp_mu = logs(0.05, 0.5)
+    logp = (logp_mu + math.log(r)).requires_grad_()
+    advantages = torch.full((1, 1), A, dtype=torch.float64)
+    loss, blocked = dppo.ppo_clip_loss(logp, logp_mu, advantages, 0.2, 0.28, 10.0, relax=relax, relax_below=0.1)
+    assert blocked.tolist() == [[rare_blocked, True]]
+    clipped = 1.28 if A > 0 else 0.8
+    assert near(loss, [[-A * (clipped if rare_blocked else r), -A * clipped]])
+    assert near(d_loss_d_logp(loss, logp), [[0.0 if rare_blocked else -A * r, 0.0]])
+    # moving back toward mu is never blocked, on any side: A > 0 with r = 0.5, A < 0 with r = 2 (< c)
+    assert not dppo.ppo_clip_loss(logp_mu - math.log(r), logp_mu, advantages, relax=relax)[1].any()
+    # --relax_clip and --relax_below reach their places: at 0.6 both tokens are rare
+    cfg = dppo.parse_config(["--relax_clip", relax, "--relax_below", "0.6"])
+    pi, old = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
+    assert dppo.objective_loss(cfg, pi, old, advantages, torch.ones(1, 2))[1].tolist() == [[rare_blocked] * 2]
+
+
+def test_relaxed_clip_matches_stable_rls_rule_on_a_grid():
+    # Stable-RL's ppo_ablation_positive / _negative / _both (_compute_token_mask_for_policy_loss) restated:
+    # A > 0: blocked iff r > 1.28, and mu >= alpha where the high side is relaxed; A < 0: iff r < 0.8, and mu >= alpha
+    # where the low side is. No dual clip there (c = inf). mu exactly alpha is not exempt. In fp32, as in training.
+    r, mu = (x.reshape(1, -1) for x in torch.meshgrid(torch.tensor([0.3, 0.79, 0.8, 0.81, 1.0, 1.27, 1.28, 1.29, 3.0]),
+                                                      torch.tensor([0.01, 0.0999, 0.1, 0.5, 0.9]), indexing="ij"))
+    logp_mu = mu.log()
+    logp = logp_mu + r.log()
+    ratio, mu = torch.exp(logp - logp_mu), logp_mu.exp()  # what ppo_clip_loss compares
+    for relax in ("none", "high", "low", "both"):
+        alpha = mu[0, 2].item()  # mu = 0.1 as exp(log 0.1) rounds it: that token stays bounded
+        common = mu >= alpha
+        for A, side_blocked in ((+1.0, (ratio > 1 + 0.28) & (common | (relax not in ("high", "both")))),
+                                (-1.0, (ratio < 1 - 0.2) & (common | (relax not in ("low", "both"))))):
+            _, blocked = dppo.ppo_clip_loss(logp, logp_mu, torch.full((1, 1), A), 0.2, 0.28, math.inf, relax=relax,
+                                            relax_below=alpha)
+            assert torch.equal(blocked, side_blocked), (A, relax)
+    none = dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1), relax="none", relax_below=0.99)  # alpha unused
+    assert all(torch.equal(a, b) for a, b in zip(none, dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1))))
+
+
+# One completion of 4 real tokens and a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1 = 0.25, 1, 3, 8.
+CORRECTION_OLD, CORRECTION_MU = logs(0.1, 0.3, 0.6, 0.8, 0.5), logs(0.4, 0.3, 0.2, 0.1, 0.5)
+CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
+CORRECTION_CASES = [  # (mode, cap, low, high) -> weight, flagged
+    (("none", 2.0, 0.5, 5.0), [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]),
+    (("tis", 2.0, 0.5, 5.0), [0.25, 1, 2, 2, 0], [0, 0, 1, 1, 0]),        # min(w, 2): the last two truncated
+    (("tis", math.inf, 0.5, 5.0), [0.25, 1, 3, 8, 0], [0, 0, 0, 0, 0]),   # cap inf: w itself
+    (("token_mis", 2.0, 0.5, 5.0), [0, 1, 3, 0, 0], [1, 0, 0, 1, 0]),     # outside [0.5, 5] zeroed, inside untruncated
+    (("seq_mis", 4.0, 1.0, 2.0), [0.25, 1, 3, 4, 0], [0, 0, 0, 1, 0]),    # geometric mean 6^(1/4) = 1.565 kept; 8 -> 4
+    (("seq_mis", 4.0, 0.5, 1.5), [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]),       # 1.565 > 1.5: the whole completion zeroed
+]
+
+
+@pytest.mark.parametrize("settings, weight, flagged", CORRECTION_CASES)
+def test_rollout_correction_in_every_mode_by_hand(settings, weight, flagged):
+    for pad in (-0.7, -50.0, math.nan, -math.inf):  # mu's padding slot: its content changes nothing
+        mu = CORRECTION_MU.clone()
+        mu[0, 4] = pad
+        old = CORRECTION_OLD.clone().requires_grad_()
+        w, out_flagged = dppo.rollout_correction(old, mu, CORRECTION_MASK, *settings)
+        assert near(w, [weight]) and out_flagged.tolist() == [list(map(bool, flagged))]
+        assert not w.requires_grad
+
+
+def test_rollout_correction_bounds_are_inclusive_and_geometric():
+    w_raw = torch.exp(CORRECTION_OLD - CORRECTION_MU)
+    low, high = w_raw[0, 1].item(), w_raw[0, 2].item()  # 1 and 3 exactly as computed: both kept
+    _, flagged = dppo.rollout_correction(CORRECTION_OLD, CORRECTION_MU, CORRECTION_MASK, "token_mis", low=low, high=high)
+    assert flagged.tolist() == [[True, False, False, True, False]]
+    # seq_mis on the geometric mean, not the product: w = 4, 4 (product 16), a padding slot; [4, 4] as computed keeps it
+    old, mu, mask = logs(0.8, 0.8, 0.3), logs(0.2, 0.2, 0.9), torch.tensor([[1.0, 1, 0]])
+    four = torch.exp(old - mu)[0, 0].item()
+    assert near(dppo.rollout_correction(old, mu, mask, "seq_mis", math.inf, four, four)[0], [[4.0, 4.0, 0.0]])
+    # a recorded log mu of -inf counts as log 1e-12: w = 0.5 / 1e-12 = 5e11, finite
+    w, _ = dppo.rollout_correction(logs(0.5), torch.full((1, 1), -math.inf), torch.ones(1, 1), "tis", math.inf)
+    assert w.item() == pytest.approx(5e11)
+    # anchored to mu itself, w = 1: no correction
+    assert dppo.rollout_correction(CORRECTION_MU, CORRECTION_MU, CORRECTION_MASK, "tis")[0].tolist() == [[1.0, 1, 1, 1, 0]]
+
+
+# The DPPO paper's --recompute_old (Stable-RL's compute_policy_loss_with_mask): the trust region's mask M from pi_old,
+# the importance weight pi / mu against the sampler. A pi_old-anchored loss times w = min(pi_old / mu, inf) has the
+# per-token gradient -A * (pi / pi_old) * M * (pi_old / mu) = -A * (pi / mu) * M. Rows A = +1 and A = -1, same tokens:
+#   ppo_clip: pi / pi_old = 0.5/0.45 = 1.11 (inside), 0.3/0.2 and 0.9/0.6 = 1.5 (above 1.28), 0.3/0.5 = 0.6 (below 0.8):
+#     A = +1: tokens 1, 2 blocked; -pi/mu = -0.5/0.4 = -1.25 and -0.3/0.6 = -0.5. A = -1: token 3 blocked;
+#     0.5/0.4 = 1.25, 0.3/0.25 = 1.2, 0.9/0.5 = 1.8.
+#   binary_tv, delta 0.15: D = |pi - pi_old| = 0.05, 0.3 (pi rises), 0.3 (pi falls): A = +1 blocks token 1 only,
+#     -0.5/0.4 = -1.25, -0.2/0.8 = -0.25; A = -1 blocks token 2 only, 1.25, 0.9/0.5 = 1.8.
+RECOMPUTE_CASES = {
+    "ppo_clip": ((0.5, 0.3, 0.9, 0.3), (0.45, 0.2, 0.6, 0.5), (0.4, 0.25, 0.5, 0.6),
+                 [[-1.25, 0.0, 0.0, -0.5], [1.25, 1.2, 1.8, 0.0]]),
+    "binary_tv": ((0.5, 0.9, 0.2), (0.45, 0.6, 0.5), (0.4, 0.5, 0.8), [[-1.25, 0.0, -0.25], [1.25, 1.8, 0.0]]),
+}
+
+
+@pytest.mark.parametrize("objective", list(RECOMPUTE_CASES))
+def test_pi_old_anchored_loss_times_tis_has_the_gradient_of_the_papers_recompute_form(objective):
+    p, p_old, q, grad = RECOMPUTE_CASES[objective]
+    logp, logp_old, logp_mu = (logs(*x).repeat(2, 1) for x in (p, p_old, q))
+    A = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    logp.requires_grad_()
+    if objective == "ppo_clip":
+        loss, blocked = dppo.ppo_clip_loss(logp, logp_old, A)
+    else:
+        loss, blocked = dppo.dppo_loss(logp, logp_old, A, dppo.binary_tv(logp_old, logp), 0.15, 0.15)
+    w, _ = dppo.rollout_correction(logp_old, logp_mu, torch.ones_like(logp_old), "tis", math.inf)
+    g = d_loss_d_logp(loss * w, logp)
+    assert torch.allclose(g, torch.tensor(grad, dtype=torch.float64))
+    paper = -A * torch.exp(logp - logp_mu).detach() * ~blocked * logp  # -A * sg(pi / mu) * M * log pi
+    assert torch.allclose(g, d_loss_d_logp(paper, logp))
+
+
 # objective_loss with every setting asymmetric, so that swapping two, ignoring one (its default in its place) or
 # passing one to the wrong parameter changes a row: eps 0.1 / 0.3, c = 5, r_max = 3, betas 0.1 / 0.02, C = 2.5,
-# deltas 0.3 / 0.1 (TV) or 0.12 / 0.03 (KL); the defaults are 0.2 / 0.28, 10, 10, 0.05 / 0.05, inf, 0.15 or 0.05.
+# deltas 0.3 / 0.1 (TV) or 0.12 / 0.03 (KL); the defaults are 0.2 / 0.28 (cispo 1 / 4, gspo 3e-4 / 4e-4), 10, 10,
+# 0.05 / 0.05, inf, 0.15 or 0.05. Each row is a completion of one token, so GSPO's sequence ratio s is the token's r.
 ASYMMETRIC_FLAGS = ["--clip_low", "0.1", "--clip_high", "0.3", "--dual_clip", "5", "--dcpo_r_max", "3",
                     "--erc_beta_low", "0.1", "--erc_beta_high", "0.02", "--is_cap", "2.5"]
 ASYMMETRIC_DELTAS = {"tv": ["--delta_low", "0.3", "--delta_high", "0.1"], "kl": ["--delta_low", "0.12", "--delta_high", "0.03"]}
@@ -732,6 +943,19 @@ DISPATCH_CASES = {
         (+1.0, 0.02, 0.07, -3.0, 0.0, True),        # r 3.5 above r_max = 3 (r_max 5 or 10: inside 4.405125)
         (-1.0, 0.02, 0.08, 4.0, 4.0, False),        # r 4 < c = 5 (c = 3 would cap it)
         (-1.0, 0.02, 0.12, 5.0, 0.0, True)]),       # r 6 > c: -A * c = 5
+    "cispo": ({}, [                              # weight clip(r, 0.9, 1.3), never blocked; its default [0, 5]
+        (+1.0, 0.1, 0.12, None, -1.2, False),    # r 1.2: weight 1.2 (swapped eps [0.7, 1.1]: 1.1)
+        (+1.0, 0.1, 0.14, None, -1.3, False),    # r 1.4: weight 1.3 (swapped 1.1, default 1.4); ppo_clip blocks it
+        (+1.0, 0.2, 0.10, None, -0.9, False),    # r 0.5: weight 0.9 for A > 0 too (swapped 0.7, default 0.5)
+        (-1.0, 0.1, 0.08, None, 0.9, False),     # r 0.8: weight 0.9 (swapped or default: 0.8); ppo_clip blocks it
+        (-1.0, 0.1, 0.60, None, 1.3, False)]),   # r 6: weight 1.3 (no dual clip c = 5, no C = 2.5)
+    "gspo": ({}, [                               # s = r kept in [0.9, 1.3], no dual clip; its default [0.9997, 1.0004]
+        (+1.0, 0.1, 0.12, -1.2, -1.2, False),    # s 1.2: inside (swapped eps or the default would clip it)
+        (+1.0, 0.1, 0.14, -1.3, 0.0, True),      # s 1.4 > 1.3: loss -1.3 (swapped -1.1)
+        (+1.0, 0.2, 0.10, -0.5, -0.5, False),    # A > 0, s 0.5: moving back, never clipped
+        (-1.0, 0.1, 0.08, 0.9, 0.0, True),       # s 0.8 < 0.9: loss 0.9 (swapped: inside, 0.8)
+        (-1.0, 0.1, 0.095, 0.95, 0.95, False),   # s 0.95: inside (the default 0.9997 would clip it)
+        (-1.0, 0.1, 0.60, 6.0, 6.0, False)]),    # s 6: -A * s, no dual clip (ppo_clip's c = 5 caps it at 5)
     "erc": (dict(entropy_pi=[1.82, 1.78, 2.02, 2.06, 2.0, 2.0, 2.0, 2.0], entropy_old=2.0), [  # kept 0.9 < rho < 1.02
         (+1.0, 0.1, 0.11, -1.1, -1.1, False),    # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
         (+1.0, 0.1, 0.11, -1.1, 0.0, True),      # rho 0.89: outside
@@ -777,7 +1001,10 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
     pi, old = objective_inputs(list(q), list(p), **inputs)
     deltas = ASYMMETRIC_DELTAS["kl" if objective.endswith("kl") else "tv"]
     cfg = dppo.parse_config(["--objective", objective, *ASYMMETRIC_FLAGS, *deltas])
-    out, out_blocked = dppo.objective_loss(cfg, pi, old, torch.tensor(A))
+    one_token_each = lambda x: dppo.LogProbs(*(v.unsqueeze(1) for v in x))  # noqa: E731  (B, 1, ...): B completions
+    out, out_blocked = dppo.objective_loss(cfg, one_token_each(pi), one_token_each(old), torch.tensor(A)[:, None],
+                                           torch.ones(len(A), 1))
+    out, out_blocked = out.squeeze(1), out_blocked.squeeze(1)
     out.sum().backward()
     assert out_blocked.tolist() == list(blocked)
     assert torch.allclose(pi.logp.grad, torch.tensor(grad), atol=1e-4)
@@ -855,6 +1082,21 @@ def test_token_weights_by_hand():
     assert torch.allclose(dppo.token_weights(mask, "seq_sum"), mask / 2)
 
 
+# Completions of 2 and 3 tokens, max_new_tokens 4. Dr. GRPO's seq_sum_norm: each token 1 / 4 (the constant) / 2
+# (completions). A row of zeros (--skip_zero_advantage) weighs 0, and the others weigh as if it were absent.
+TOKEN_WEIGHTS_BY_HAND = {"token_mean": [[1 / 5] * 2, [1 / 5] * 3], "seq_mean_token_mean": [[1 / 4] * 2, [1 / 6] * 3],
+                         "seq_sum": [[1 / 2] * 2, [1 / 2] * 3], "seq_sum_norm": [[1 / 8] * 2, [1 / 8] * 3]}
+
+
+@pytest.mark.parametrize("loss_agg", list(TOKEN_WEIGHTS_BY_HAND))
+def test_token_weights_leave_a_zero_row_out_of_every_count(loss_agg):
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]])
+    short, long = TOKEN_WEIGHTS_BY_HAND[loss_agg]
+    expected = torch.tensor([short + [0.0], [0.0] * 3, long])
+    assert torch.allclose(dppo.token_weights(mask, loss_agg, max_new_tokens=4), expected)
+    assert torch.equal(dppo.token_weights(mask[[0, 2]], loss_agg, max_new_tokens=4), expected[[0, 2]])
+
+
 def make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, logp_mu, topk_logp_mu, entropy_mu):
     """A Rollout whose anchor is mu, as generate_rollout makes one."""
     mu = dppo.LogProbs(logp_mu, topk_logp_mu, entropy_mu)
@@ -911,11 +1153,32 @@ def test_gradient_is_the_same_for_1_or_4_micro_batches(tiny_policy, objective, l
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
     # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
     cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
+    if objective == "gspo":  # its own eps 3e-4 / 4e-4: a completion's mean ratio stays inside ppo_clip's bounds
+        cfg = dataclasses.replace(cfg, clip_low=3e-4, clip_high=4e-4)
     whole, metrics = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
     split, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=2))
-    assert rollout.completion_mask.sum() == 30 and metrics["trust_region/blocked_frac"] > 0
+    assert rollout.completion_mask.sum() == 30
+    # CISPO blocks nothing: its clip moves the weight (config() keeps the bounds at ppo_clip's 0.8 / 1.28 here)
+    assert metrics["cispo/clipped_frac" if objective == "cispo" else "trust_region/blocked_frac"] > 0
     assert whole.abs().max() > 1e-4
     assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4)
+
+
+def test_skip_zero_advantage_gives_the_gradient_without_the_zero_advantage_rows(tiny_policy):
+    # GRPO on 2 groups of 4: rewards (1, 0, 1, 1) and (1, 1, 1, 1), the second group's advantages all 0. Its rows hold
+    # 15 of the rollout's 30 tokens: counted (token_mean), they halve the gradient; skipped, they are as if absent.
+    model = tiny_policy[0]
+    rollout, _ = hand_built_rollout(model.config.vocab_size)
+    A = dppo.grpo_advantages(torch.tensor([1.0, 0, 1, 1, 1, 1, 1, 1]), 4)
+    assert (A[:4] != 0).all() and (A[4:] == 0).all()
+    cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
+    skipped, _ = gradient(model, rollout, A, dataclasses.replace(cfg, skip_zero_advantage=True))
+    without, _ = gradient(model, rollout.rows(torch.arange(4)), A[:4], cfg)
+    counted, _ = gradient(model, rollout, A, cfg)
+    assert rollout.completion_mask[:4].sum() == rollout.completion_mask[4:].sum() == 15
+    assert without.abs().max() > 1e-4
+    assert torch.allclose(skipped, without, atol=1e-7, rtol=1e-4)
+    assert torch.allclose(counted, without / 2, atol=1e-7, rtol=1e-4)
 
 
 def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(tiny_checkpoint):
@@ -1027,6 +1290,59 @@ def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_fr
     assert "policy/abs_old_minus_mu_mean" not in from_mu
     assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
     assert recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2  # the loss's anchor
+
+
+@pytest.mark.parametrize("objective", ["ppo_clip", "binary_tv"])
+def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(tiny_policy, objective):
+    """--recompute_old, rollout correction tis with cap inf: the update's gradient is that of
+    sum_t token_weights * -A * sg(pi / mu) * M * log pi, with M from pi_old (MiniRL's clip mask for ppo_clip: A > 0
+    blocked iff pi/pi_old > 1 + eps_high, A < 0 iff pi/pi_old < 1 - eps_low or > c; DPPO's, D = |pi - pi_old|, for
+    binary_tv) and mu the bf16 sampler's. pi moves away from pi_old (perturbed weights, as after a first update)."""
+    model, tokenizer = tiny_policy
+    rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
+    cfg = config(objective=objective, micro_batch_size=6, recompute_old=True, rollout_correction="tis",
+                 correction_cap=math.inf, clip_low=0.1, clip_high=0.15, delta_low=2e-4, delta_high=3e-4)  # D ~ 1e-6 to 1e-3
+    anchored = dppo.recompute_anchor(model, rollout, cfg)  # pi_old: the policy before the step's first update
+    generator = torch.Generator().manual_seed(0)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator))  # pi / pi_old in [0.68, 1.47]
+    A = torch.randn(len(rollout.texts), generator=generator)
+    m, A_t = rollout.completion_mask.bool(), A[:, None]
+    logp_old, logp_mu = anchored.old.logp, rollout.mu.logp
+    assert 1e-4 < (logp_old - logp_mu)[m].abs().max() < 1e-2  # mu != pi_old: bf16's rounding
+
+    def papers_gradient(weight_from):  # of sum_t token_weights * -A * sg(pi / weight_from) * M * log pi
+        pi = dppo.policy_logprobs(moved, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                  rollout.completion_mask, 1.0).logp
+        ratio = (pi - logp_old).exp().detach()
+        if objective == "ppo_clip":
+            blocked = ((A_t > 0) & (ratio > 1 + cfg.clip_high)) | ((A_t < 0) & ((ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip)))
+        else:
+            D = (pi.exp() - logp_old.exp()).abs().detach()
+            blocked = ((A_t > 0) & (pi > logp_old) & (D > cfg.delta_high)) | ((A_t < 0) & (pi < logp_old) & (D > cfg.delta_low))
+        weight = torch.where(m, (pi - weight_from).exp().detach(), 0.0)
+        loss = (dppo.token_weights(rollout.completion_mask, "token_mean") * -A_t * weight * ~blocked * pi).sum()
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in moved.parameters()])
+        moved.zero_grad()
+        return flat, blocked[m]
+
+    expected, blocked = papers_gradient(logp_mu)
+    assert 0 < blocked.sum() < m.sum()  # the trust region binds on some tokens, not all
+    got, metrics = gradient(moved, anchored, A, cfg)
+    w = (logp_old - logp_mu)[m].exp()
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(w.mean().item(), rel=1e-5)
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(w.max().item(), rel=1e-5)
+    assert metrics["rollout_correction/flagged_frac"] == 0  # cap inf truncates nothing
+    assert metrics["trust_region/blocked_frac"] == pytest.approx(blocked.float().mean().item())
+    # 'none': the ratio is pi / pi_old, the importance weight against mu is lost
+    got_none, _ = gradient(moved, anchored, A, dataclasses.replace(cfg, rollout_correction="none"))
+    expected_none, _ = papers_gradient(logp_old)
+    assert torch.allclose(got, expected, atol=1e-7, rtol=1e-4)  # measured gap 3e-8, the gradient's size 0.08
+    assert torch.allclose(got_none, expected_none, atol=1e-7, rtol=1e-4)
+    assert not torch.allclose(got, got_none, atol=1e-7, rtol=1e-4)  # measured 7e-5 apart: pi_old / mu = 1 +- 2e-3
 
 
 def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, tmp_path):
@@ -1755,8 +2071,7 @@ def one_line_exit_2(argv, capsys) -> str:
     (["--updates_per_step", "3"], "--updates_per_step 3 does not divide the rollout batch of 32 x 8 = 256"),
     (["--micro_batch_size", "48"], "--micro_batch_size 48 does not divide the mini-batch of 128"),
     (["--steps", "two"], "invalid int value: 'two'"),
-    (["--clip_low", "1"], "--clip_low must be < 1"),
-    (["--clip_low", "1.5"], "--clip_low must be < 1"),
+    (["--clip_low", "1.5"], "--clip_low must be <= 1"),  # 1 itself is CISPO's default: no lower bound
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
     (["--learning_rate", "-0.001"], "--learning_rate must be > 0"),
     (["--learning_rate", "nan"], "--learning_rate must be > 0"),
@@ -2116,6 +2431,10 @@ def test_objective_defaults_give_way_to_typed_flags():
     assert dppo.parse_config(["--objective", "topk_tv"]).delta_low == 0.15
     assert dppo.parse_config(["--objective", "binary_kl", "--delta_high", "0.1"]).delta_high == 0.1
     assert dppo.parse_config([]).is_cap == math.inf and dppo.parse_config(["--is_cap", "5"]).is_cap == 5.0
+    cispo, gspo = dppo.parse_config(["--objective", "cispo"]), dppo.parse_config(["--objective", "gspo"])
+    assert (cispo.clip_low, cispo.clip_high) == (1.0, 4.0)  # clip_low 1 is allowed: a lower bound of 0
+    assert (gspo.clip_low, gspo.clip_high, gspo.loss_agg) == (3e-4, 4e-4, "seq_mean_token_mean")
+    assert dppo.parse_config(["--objective", "gspo", "--clip_high", "0.01"]).clip_high == 0.01
 
 
 def test_help_exits_zero(capsys):
@@ -2153,6 +2472,8 @@ def torchrun(*args, timeout=300, while_running=None, nproc=2) -> subprocess.Comp
 
 EQUIVALENCE_CASES = [(objective, loss_agg) for objective in ("ppo_clip", "binary_tv")
                      for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_sum")]
+# GSPO's per-completion mean ratio never crosses a process boundary: a completion lives on one process.
+EQUIVALENCE_CASES += [("gspo", "seq_mean_token_mean")]
 BF16_EQUIVALENCE_CASES = [("ppo_clip", "token_mean", "bf16"), ("topk_tv", "seq_sum", "bf16")]
 BF16_UPDATE_TOLERANCE = 0.05  # of the update's own size, per weight tensor: measured at most 1.9%
 BF16_LOGP_TOLERANCE = 1e-2  # |log mu - log pi| in bf16: about 1 bf16 step of the logits, max 2e-3 in 4 seeds
@@ -2406,7 +2727,7 @@ def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losse
     assert bf16_gap < 0.2 * fp32_gap, (bf16_gap, fp32_gap)
     advantages = torch.randn(len(prompts) * 2, 1, generator=torch.Generator().manual_seed(0))
     for objective in dppo.OBJECTIVES:
-        loss, blocked = dppo.objective_loss(config(objective=objective), bf16, rollout.mu, advantages)
+        loss, blocked = dppo.objective_loss(config(objective=objective), bf16, rollout.mu, advantages, rollout.completion_mask)
         assert loss.dtype == torch.float32 and torch.isfinite(loss).all(), objective
 
 
