@@ -7,7 +7,7 @@ compared against, behind one flag.
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
 
-The algorithm in this file's names; rl_step is one step, and the file reads in this order:
+The algorithm in this file's names, in the order the file reads:
 
     for step in 1 .. steps:                                                         rl_step
         sample G completions of each of P prompts, recording mu, the distribution   generate_rollout
@@ -21,21 +21,20 @@ The algorithm in this file's names; rl_step is one step, and the file reads in t
           log pi from one teacher-forced pass, the output layer in chunks            policy_logprobs
         every eval_every steps: greedy held-out accuracy                             evaluate
 
-Simplifications, stated once:
-  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it,
-    and the importance ratio with it, to a recomputed pi_old (the paper's ablation keeps that ratio against
-    mu). The top-K divergences always partition the vocabulary by mu's top-K ids.
+Simplifications:
+  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it and
+    the importance ratio to a recomputed pi_old (the paper's ablation keeps that ratio against mu). The top-K
+    divergences always partition the vocabulary by mu's top-K ids.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
-  - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output
-    layer runs on a chunk of positions at a time under activation checkpointing.
-  - On CUDA the weights and AdamW stay fp32 and forward passes run in bf16 (autocast in one process, FSDP2's
-    mixed precision under torchrun); log-probs, ratios and losses are always fp32. On CPU all is fp32.
-  - Under torchrun each process runs the whole loop on its share of every step; FSDP2 only (no tensor or
-    pipeline parallelism), so each process holds the whole model while it generates. No vLLM: sampling is
-    plain `generate`, from the policy or, with --sampler_dtype, from a bf16/fp16 copy refreshed before every
-    rollout, as an inference engine would be: the training-inference mismatch on a switch.
-  - The loss of the first (on-policy) update is ~0 by construction (r = 1, advantages centred per group):
-    watch reward and accuracy, not the loss.
+  - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output layer
+    runs on a chunk of positions at a time under activation checkpointing.
+  - On CUDA, weights and AdamW are fp32 and forward passes bf16 (autocast; under torchrun FSDP2's mixed precision);
+    log-probs, ratios and losses are always fp32. On CPU all is fp32.
+  - Under torchrun each process runs the whole loop on its share of every step; FSDP2 only (no tensor or pipeline
+    parallelism), so each process holds the whole model while it generates. No vLLM: sampling is plain `generate`,
+    from the policy or (--sampler_dtype) from a bf16/fp16 copy refreshed before every rollout, as an inference
+    engine's would be: the training-inference mismatch on a switch.
+  - The first (on-policy) update's loss is ~0 by construction (r = 1, advantages centred): watch reward and accuracy.
 """
 
 
@@ -72,8 +71,7 @@ def setting(default, help, **argparse_kwargs):  # a Config field that is also a 
 class Config:
     # --- what to train, on what ---
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
-    dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), another Hub name, 'arithmetic' (the demo's), a JSONL file "
-                                    "of question/answer objects, or a directory: save_to_disk's, or with train/test.jsonl")
+    dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
     objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (the README maps each to its paper)")
     # --- rollout: sampling from mu ---
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
@@ -81,12 +79,11 @@ class Config:
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (DPPO's top-K divergences)")
-    sampler_dtype: str = setting("policy", "sample from the policy itself, or from a copy in this dtype refreshed before "
-                                           "every rollout, as an inference engine: the training-inference mismatch",
+    sampler_dtype: str = setting("policy", "sample from the policy or its copy in this dtype, as an inference engine",
                                  choices=["policy", "float32", "bfloat16", "float16"])
     # --- advantages and loss aggregation (shared by every objective) ---
-    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage standardisation, "
-                                     "with each prompt's reward history across visits", choices=["grpo", "sas"])
+    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage standardisation",
+                             choices=["grpo", "sas"])
     scale_rewards: str = setting("group", "GRPO: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
                                  choices=["group", "none"])
     loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
@@ -101,8 +98,7 @@ class Config:
     delta_low: float = setting(0.15, "binary_*/topk_*: a token with A < 0 whose probability falls is blocked when D > delta_low")
     delta_high: float = setting(0.15, "binary_*/topk_*: a token with A > 0 whose probability rises is blocked when D > delta_high")
     is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
-    recompute_old: bool = setting(False, "anchor the trust region to pi_old, a no-grad pass of the policy before the step's "
-                                         "first update, instead of to mu as sampled (the DPPO paper's ablation)")
+    recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
     # --- optimisation ---
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
