@@ -165,10 +165,9 @@ class LogProbs(NamedTuple):
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu, the distribution generate() samples each token from, one decoding step at a time. Logits
-    processors see the raw logits, before generate's temperature warper, so mu = softmax(logits / T) here: what
-    is sampled with top_k=0, top_p=1. Step t's token is known only at step t+1 (the last column of input_ids),
-    so step t's raw logits (generate's own tensor, not a copy) are kept until then: a few (B, V) temporaries."""
+    """Records mu, the distribution generate() samples from, one decoding step at a time. A logits processor sees
+    the logits before the temperature warper, so mu = softmax(logits / T) (sampled with top_k=0, top_p=1). Step t's
+    token is known only at step t+1 (input_ids' last column): until then its logits (generate's own) are kept."""
 
     def __init__(self, temperature: float, k: int):
         self.temperature, self.k = temperature, k
@@ -188,12 +187,10 @@ class SamplingRecorder(LogitsProcessor):
         return scores
 
     def record_sampled(self, tokens):
-        """log mu of the sampled tokens; one outside mu's top K takes the K-th slot (the evicted token joins
-        'the rest'), as the DPPO authors' code does."""
+        """log mu(a_t); a token outside mu's top K takes the K-th slot (which joins 'the rest'), as DPPO's code does."""
         scores, log_normaliser = self.pending
         logp = scores.gather(-1, tokens[:, None]).squeeze(-1).float() / self.temperature - log_normaliser
-        step = len(self.logp_mu)
-        ids, top_logp = self.topk_ids[step], self.topk_logp_mu[step]
+        ids, top_logp = self.topk_ids[len(self.logp_mu)], self.topk_logp_mu[len(self.logp_mu)]
         outside = ~(ids == tokens[:, None]).any(-1)
         ids[outside, -1], top_logp[outside, -1] = tokens[outside], logp[outside]
         self.logp_mu.append(logp)
@@ -204,8 +201,7 @@ class SamplingRecorder(LogitsProcessor):
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
             self.record_sampled(completion_ids[:, -1])
-        # generate() may run one step more than it keeps (a deferred stop check): drop it.
-        stack = lambda steps: torch.stack(steps[:T], dim=1)  # noqa: E731
+        stack = lambda steps: torch.stack(steps[:T], dim=1)  # noqa: E731  (generate() may run one step too many)
         return stack(self.topk_ids), LogProbs(stack(self.logp_mu), stack(self.topk_logp_mu), stack(self.entropy_mu))
 
 
@@ -236,8 +232,8 @@ class Rollout:
 
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
-    """One completion per prompt, recording mu as it goes. Every sampling setting is explicit: generate(do_sample=True)
-    would otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
+    """One completion per prompt, recording mu. Every sampling setting is explicit: generate(do_sample=True) would
+    otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model):
@@ -254,8 +250,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
     """1.0 up to and including the first EOS, 0.0 after it (generate() pads finished rows)."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
-    eos_strictly_before = is_eos.cumsum(1) - is_eos
-    return (eos_strictly_before == 0).float()
+    return (is_eos.cumsum(1) - is_eos == 0).float()  # no EOS strictly before
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
@@ -264,9 +259,8 @@ def decode(tokenizer, completion_ids, mask) -> list[str]:
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
 
 
-# A chat model gets one user turn through its own chat template: the question, then the user turn of the
-# "qwen-boxed" prompt of Qwen's math evaluation (QwenLM/Qwen2.5-Math, evaluation/utils.py): zero-shot, and one
-# \boxed{} span for the reward to read. Models without a chat template (the demo's) see "Question: ...\nAnswer:".
+# A chat model gets one user turn through its own chat template: the question, then the "qwen-boxed" prompt of Qwen's
+# math evaluation (QwenLM/Qwen2.5-Math, evaluation/utils.py): zero-shot, one \boxed{} span for the reward to read.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -274,7 +268,7 @@ def format_prompt(tokenizer, question: str) -> str:
     if tokenizer.chat_template:
         messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {question}\nAnswer:"
+    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
@@ -321,8 +315,7 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
 
 
 def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
-    """The whole step's rewards and advantages (P x G each, prompt order), from every process's rewards: so DCPO's
-    per-prompt history is the same on every process, whichever saw a prompt before, and equals one process's."""
+    """All processes' rewards and the step's advantages (P x G, prompt order): SAS's history is the same everywhere."""
     all_rewards = torch.tensor(gathered(rewards))
     if cfg.advantage == "sas":
         return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
@@ -334,9 +327,8 @@ def step_advantages(rewards: list[float], indices: list[int], reward_history: di
 
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
-    """--recompute_old, the DPPO paper's ablation: the trust region measures from pi_old, the policy before this
-    step's first update (a no-grad pass), not from mu as sampled. They differ by the sampler's numerics (the
-    KV-cache pass versus a teacher-forced one; bf16; --sampler_dtype). mu stays as recorded, for diagnostics."""
+    """--recompute_old: the anchor becomes pi_old, a no-grad pass of the policy before the step's first update. It
+    differs from mu by the sampler's numerics (KV cache vs teacher forcing; bf16; --sampler_dtype). mu stays."""
     old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.rows(rows)
@@ -349,8 +341,8 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    """M optimizer steps on one rollout batch: shuffle, split into M mini-batches, and for each accumulate the
-    gradient a micro-batch at a time, clip its norm, and step. Returns the step's diagnostics."""
+    """M optimizer steps: shuffle, split into M mini-batches, and for each accumulate the gradient a micro-batch at
+    a time, clip its norm, and step. Returns the step's diagnostics."""
     rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device))
     needs = OBJECTIVES[cfg.objective][1]
     stats, losses, grad_norms = TokenStats(), [], []
@@ -378,14 +370,15 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         optimizer.step()
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
     if cfg.recompute_old:  # how far the anchor pi_old is from mu: the sampler's numerics
-        stats.add("policy/abs_old_minus_mu", (rollout.old.logp.exp() - rollout.mu.logp.exp()).abs()[rollout.completion_mask.bool()])
+        mismatch = (rollout.old.logp.exp() - rollout.mu.logp.exp()).abs()
+        stats.add("policy/abs_old_minus_mu", mismatch[rollout.completion_mask.bool()])
     return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms), **stats.metrics()}
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss, over the whole mini-batch, so micro-batches do not
-    change the update; under torchrun over all processes (a local count would weigh a token by its neighbours)."""
-    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token of the mini-batch counts the same
+    """Per-token weights w with sum(w * l) = the mini-batch's loss, so micro-batches do not change the update; under
+    torchrun the counts are over all processes (a local count would weigh a token by its neighbours)."""
+    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
         return mask / all_processes([mask.sum()])[0]
     completions = all_processes([mask.shape[0]])[0]
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
@@ -395,15 +388,13 @@ def token_weights(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
 
 # ============================================================================ objectives
 # Each objective is a per-token loss l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t) with gradient,
-# logp_old = log of the anchor's probability of a_t (mu as sampled, or pi_old), the sequence's advantage A
-# broadcast over its tokens, and its own thresholds. Each returns (l, blocked): blocked marks the tokens its
-# trust region gives no gradient. No Config inside: each can be copied on its own.
+# logp_old = log of the anchor's probability of a_t (mu as sampled, or pi_old), the sequence's advantage A, and its
+# own thresholds. It returns (l, blocked): the tokens its trust region gives no gradient. No Config inside.
 
 
 def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor) -> tuple:
-    """--objective's per-token loss for one micro-batch: pi's log-probs from the training pass, the anchor's
-    (`old`), and the advantages (B, 1). A sampled token has mu(a_t) > 0; should a recorded log mu round to
-    -inf, it counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
+    """--objective's per-token loss for one micro-batch; advantages (B, 1). A recorded log mu that rounds to -inf
+    counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
     loss, _ = OBJECTIVES[cfg.objective]
     return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, cfg)
 
@@ -413,8 +404,7 @@ def dppo_objective(pi, old, A, c):
     return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
 
 
-# --objective -> (its loss from pi's and the anchor's LogProbs, the advantages and the Config;
-#                 what pi's training forward pass must compute besides log pi(a_t))
+# --objective -> (its loss from pi's and the anchor's LogProbs, A and the Config; what pi's pass computes besides logp)
 OBJECTIVES = {
     "pg": (lambda pi, old, A, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
     "ppo_clip": (lambda pi, old, A, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip), ()),
@@ -443,10 +433,9 @@ def pg_loss(logp, logp_old, advantages, is_cap=math.inf):
 
 
 def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip):
-    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds,
-    with dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
-        l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)
-    Blocked: the tokens where a clip binds (they get no gradient)."""
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds, with
+    dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729); blocked: where a clip binds (no gradient).
+        l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)"""
     ratio = torch.exp(logp - logp_old)
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
@@ -477,45 +466,41 @@ def dcpo_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, r_max=10
 
 def erc_loss(logp, logp_old, advantages, entropy_pi, entropy_old, clip_low=0.2, clip_high=0.28, dual_clip=10.0,
              beta_low=0.05, beta_high=0.05):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on top of ppo_clip: with rho = (H_pi + 1e-8) / (H_mu + 1e-8),
-    the full-vocabulary entropies at this position (no gradient flows through rho),
+    """Entropy Ratio Clipping (arXiv 2512.05591) on top of ppo_clip, with rho = (H_pi + 1e-8) / (H_mu + 1e-8) of the
+    full-vocabulary entropies at this position (no gradient through rho):
         l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high,   sg(l_ppo_clip) elsewhere.
-    A hard gradient mask, not a penalty: masked tokens still count in the aggregation's denominator.
-    Blocked: clipped by ppo_clip, or outside the entropy band."""
+    A hard gradient mask, not a penalty (masked tokens still count in the aggregation). Blocked: clipped, or outside."""
     loss, clipped = ppo_clip_loss(logp, logp_old, advantages, clip_low, clip_high, dual_clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high)
     return torch.where(kept, loss, loss.detach()), clipped | ~kept
 
 
 def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
-    """ERC's band: 1 - beta_low < (H_pi + 1e-8) / (H_mu + 1e-8) < 1 + beta_high."""
     rho = (entropy_pi + 1e-8) / (entropy_old + 1e-8)
     return (rho > 1 - beta_low) & (rho < 1 + beta_high)
 
 
 def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi, with the trust-region mask M
-    (no gradient) blocking a token only when it moves *away* from mu past the threshold:
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi, with the trust-region mask M (no
+    gradient) blocking a token only when it moves *away* from mu past the threshold:
         M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)
-    p = pi(a_t), q = mu(a_t), D = the divergence between mu(.|s_t) and pi(.|s_t). A token moving back toward
-    mu is never blocked, however large D is. For r <= C the gradient is that of -A * r * M."""
+    p = pi(a_t), q = mu(a_t), D = the divergence between mu(.|s_t) and pi(.|s_t). A token moving back toward mu is
+    never blocked, however large D is. For r <= C the gradient is that of -A * r * M."""
     ratio = torch.exp(logp - logp_old).detach()
     blocked = dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high)
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
 
 
 def dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high):
-    """DPPO's trust-region mask, 1 - M: the tokens that move away from mu with D past its threshold."""
+    """DPPO's 1 - M (see dppo_loss)."""
     return ((advantages > 0) & (logp > logp_old) & (divergence > delta_high)) | \
            ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
 
 
-# DPPO's divergences between mu(.|s_t) and pi(.|s_t) (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the
-# top-K ones and their lower-bound property, its appendix). Each is the TV or KL of the two distributions
-# *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or {mu's top-K tokens one by
-# one, the rest} (top-K). A coarser partition never increases TV or KL, so binary <= top-K <= full vocabulary:
-# the approximations can only block less. In fp32, without gradient; probabilities are clamped at 1e-12 so
-# every value is finite at p or q = 0 or 1.
+# DPPO's divergences (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the top-K ones, its appendix) are the TV or KL
+# of mu(.|s_t) and pi(.|s_t) *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or {mu's
+# top-K tokens one by one, the rest} (top-K). Coarsening never increases TV or KL, so binary <= top-K <= full: the
+# approximations can only block less. In fp32, without gradient; probabilities clamped at 1e-12 keep them finite.
 
 LOG_EPS = math.log(1e-12)
 
@@ -545,13 +530,9 @@ def topk_kl(topk_logp_mu, topk_logp_pi):
 
 
 def with_rest(logp: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the cells of a partition: the given outcomes (last axis) plus 'the rest' = 1 - their sum."""
-    return torch.cat([logp, log1mexp(logp.logsumexp(-1, keepdim=True))], dim=-1)
-
-
-def log1mexp(logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - p) from log p, accurate near p = 1, where computing 1 - p directly loses every digit."""
-    return (-torch.expm1(logp)).clamp(min=1e-12).log()
+    """Log-probs of a partition's cells: the given outcomes (last axis) plus 'the rest' = 1 - their sum."""
+    rest = (-torch.expm1(logp.logsumexp(-1, keepdim=True))).clamp(min=1e-12).log()  # log(1 - p), accurate near p = 1
+    return torch.cat([logp, rest], dim=-1)
 
 
 def partition_tv(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
@@ -560,7 +541,7 @@ def partition_tv(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
 
 
 def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
-    """KL(mu || pi) = sum_cells mu(cell) log(mu(cell) / pi(cell)), cells on the last axis, mu first."""
+    """KL(mu || pi) = sum_cells mu(cell) log(mu(cell) / pi(cell)), cells on the last axis."""
     logp_mu, logp_pi = logp_mu.clamp(min=LOG_EPS), logp_pi.clamp(min=LOG_EPS)
     return (logp_mu.exp() * (logp_mu - logp_pi)).sum(-1)
 
@@ -574,13 +555,11 @@ LOGITS_CHUNK_ELEMENTS = 2**23
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                     topk_ids=None, with_entropy=False) -> LogProbs:
-    """One teacher-forced pass of pi over prompt + completion: for the T completion tokens, log pi(a_t | s_t) (B, T)
-    in fp32 with gradient; without gradient, log pi at topk_ids (B, T, K) if given and the entropy if with_entropy.
-    Left-padded prompts and right-padded completions put the T tokens in the last T columns, predicted from the
-    T columns before; positions count from each row's first real token, as generate() counts them. The body runs
-    once through the model's own forward (so FSDP2 gathers weights as usual), asked for no logits; the output
-    layer (logits = lm_head(last hidden state), as in Llama, Qwen, Mistral) then runs a chunk of positions at a
-    time under activation checkpointing: no B x T x V logits tensor ever exists."""
+    """One teacher-forced pass of pi over prompt + completion: log pi(a_t | s_t) (B, T) in fp32 with gradient; without
+    gradient, log pi at topk_ids (B, T, K) if given and the entropy if with_entropy. The T tokens are the last T
+    columns; positions count from each row's first real token, as in generate(). The body runs through the model's
+    own forward (FSDP2 gathers as usual) asked for no logits; the output layer (lm_head of the last hidden state, as
+    in Llama, Qwen, Mistral) then runs a chunk of positions at a time under activation checkpointing."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -601,8 +580,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy):
-    """log pi = logit/T - logsumexp(logits/T) in fp32 for N positions: of the targets, and without gradient at
-    topk_ids (N, K) and the entropy (N,)."""
+    """log pi = logit/T - logsumexp(logits/T) in fp32 at N positions' targets; at topk_ids and the entropy, no grad."""
     logits = lm_head(hidden).float() / temperature
     log_normaliser = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
