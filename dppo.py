@@ -40,7 +40,6 @@ Simplifications:
 
 import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal, sys, time, warnings  # noqa: E401
 import urllib.error, urllib.request  # noqa: E401
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -624,29 +623,23 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
 
 
 # ============================================================================ diagnostics
-# What a step did, for metrics.jsonl, outside the loss path. Where a trust region bites: the DPPO paper argues that
-# PPO's ratio clip falls mostly on low-probability tokens and a divergence mask does not, so a token counts as rare
-# when mu(a_t) < RARE_TOKEN_MU, and the clip objectives' blocked tokens are compared with a binary-TV mask's.
+# What a step did, for metrics.jsonl, outside the loss path. The DPPO paper argues that PPO's ratio clip falls mostly
+# on rare tokens (mu(a_t) < RARE_TOKEN_MU) and a divergence mask does not: clip objectives are compared with binary TV.
 RARE_TOKEN_MU, DIAGNOSTIC_TV_DELTA = 0.15, 0.15
 
 
-class TokenStats:
-    """Sums, counts and maxima of per-token values over one step's completion tokens: a name with "_frac" in it
-    holds 0/1 values and is reported as their share; any other as its mean and max."""
-
-    def __init__(self):
-        self.sum, self.count, self.max = defaultdict(float), defaultdict(int), defaultdict(lambda: -math.inf)
+class TokenStats(dict):
+    """name -> (sum, count, max) of per-token values over a step's completion tokens, over all processes; a name
+    with "_frac" in it holds 0/1 values and is reported as their share, any other as its mean and max."""
 
     def add(self, name: str, values: torch.Tensor):
-        self.sum[name] += values.sum().item()
-        self.count[name] += values.numel()
-        self.max[name] = max(self.max[name], values.max().item())
+        total, count, largest = self.get(name, (0.0, 0, -math.inf))
+        self[name] = (total + values.sum().item(), count + values.numel(), max(largest, values.max().item()))
 
     def metrics(self) -> dict:
-        """Over all processes (under torchrun): sums and counts added up, maxima the largest."""
-        names = sorted(self.sum)
-        totals = all_processes([self.sum[name] for name in names] + [self.count[name] for name in names])
-        maxima = all_processes([self.max[name] for name in names], op=dist.ReduceOp.MAX)
+        names = sorted(self)
+        totals = all_processes([self[name][0] for name in names] + [self[name][1] for name in names])
+        maxima = all_processes([self[name][2] for name in names], op=dist.ReduceOp.MAX)
         means = {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}
         return {**{name: mean for name, mean in means.items() if "_frac" in name},
                 **{f"{name}_{stat}": value for name, maximum in zip(names, maxima) if "_frac" not in name
@@ -749,8 +742,10 @@ def main(argv=None) -> dict:
         for step in progress:
             try:
                 metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
-            except FloatingPointError as error:
-                stop_on_non_finite(error, step, model, tokenizer, output_dir, cfg)
+            except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
+                save_model(model, tokenizer, output_dir)
+                sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that optimizer "
+                         f"step is in {output_dir}, metrics.jsonl up to step {step - 1}" if rank == 0 else 1)
             log(metrics)
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluation()
@@ -785,8 +780,7 @@ def main(argv=None) -> dict:
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
     """The training and held-out problems, once a --model that cannot load has been refused (no download first)."""
     if resume_from and not (resume_from / "training_state.pt").is_file():
-        fail(f"--resume {cfg.resume}: no checkpoint there ({resume_from}/training_state.pt); "
-             "a run writes one with --save_every N or on Ctrl-C")
+        fail(f"--resume {cfg.resume}: no checkpoint there; a run writes one with --save_every N or on Ctrl-C")
     if cfg.model and not resume_from:
         check_model_source(cfg.model)
     train_problems, held_out = load_problems(cfg)
@@ -810,12 +804,8 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
         from datasets import load_from_disk
         return train_and_test(load_from_disk(str(path)), cfg.dataset)
     if path.is_dir():
-        for split in ("train", "test"):
-            if not (path / f"{split}.jsonl").is_file():
-                fail(f"--dataset {cfg.dataset}: no {split}.jsonl there (a dataset directory holds train.jsonl and "
-                     "test.jsonl, or a DatasetDict written by save_to_disk)")
         return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
-    if looks_like_a_path(cfg.dataset) or cfg.dataset.endswith((".jsonl", ".json")):
+    if cfg.dataset.startswith(("/", "./", "../", "~")) or cfg.dataset.endswith((".jsonl", ".json")):  # a local path
         fail(f"--dataset {cfg.dataset}: no such file or directory")
     name, config = ("openai/gsm8k", "main") if cfg.dataset in ("gsm8k", "openai/gsm8k") else (cfg.dataset, None)
     require_hub(f"the dataset {name}")
@@ -829,22 +819,22 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
     return train_and_test(splits, cfg.dataset)
 
 
-def read_jsonl(path) -> list[dict]:
-    """Problems from a JSONL file; a line that is not a JSON object with question and answer is an error."""
-    if not Path(path).is_file():
-        fail(f"{path}: no such file")
+def read_jsonl(path: Path) -> list[dict]:
+    """Problems from a JSONL file: each non-blank line a JSON object with string fields question and answer."""
+    if not path.is_file():  # in a dataset directory
+        fail(f"{path.parent}: no {path.name} there (a dataset directory holds train.jsonl and test.jsonl, or a "
+             "DatasetDict written by save_to_disk)")
     problems = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                problem = json.loads(line)
-            except json.JSONDecodeError as error:
-                fail(f"{path}, line {number}: not valid JSON ({error.msg})")
-            if not (isinstance(problem, dict) and isinstance(problem.get("question"), str) and isinstance(problem.get("answer"), str)):
-                fail(f"{path}, line {number}: needs string fields 'question' and 'answer'")
-            problems.append(problem)
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            problem = json.loads(line)
+        except json.JSONDecodeError as error:
+            fail(f"{path}, line {number}: not valid JSON ({error.msg})")
+        if not isinstance(problem, dict) or not all(isinstance(problem.get(k), str) for k in ("question", "answer")):
+            fail(f"{path}, line {number}: needs string fields 'question' and 'answer'")
+        problems.append(problem)
     return problems
 
 
@@ -854,8 +844,7 @@ def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
         if split not in splits:
             fail(f"--dataset {source}: no {split!r} split (it has {', '.join(map(repr, splits))}); train and test are needed")
         if not {"question", "answer"} <= set(splits[split].column_names):
-            fail(f"--dataset {source}: its {split} split has columns {splits[split].column_names}; "
-                 "'question' and 'answer' are needed")
+            fail(f"--dataset {source}: its {split} split has columns {splits[split].column_names}, no question/answer")
     return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
 
 
@@ -932,11 +921,9 @@ def check_model_source(name_or_path: str):
         if not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
             fail(f"--model {name_or_path}: no weights there (*.safetensors or *.bin)")
         return
-    try:
+    try:  # a local path (./x, ../x, ~/x, /x, a/b/c) is never a Hub id
         huggingface_hub.utils.validate_repo_id(name_or_path)
     except huggingface_hub.utils.HFValidationError:
-        fail(f"--model {name_or_path}: no such directory")
-    if looks_like_a_path(name_or_path):
         fail(f"--model {name_or_path}: no such directory")
     if not huggingface_hub.constants.HF_HUB_OFFLINE:
         require_hub(f"the model {name_or_path}")
@@ -1091,14 +1078,6 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous_handler)
 
 
-def stop_on_non_finite(error: FloatingPointError, step: int, model, tokenizer, output_dir: Path, cfg: Config):
-    """A non-finite loss or gradient: the optimizer step was not taken; save the model as it is, and stop."""
-    save_model(model, tokenizer, output_dir)
-    sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before that "
-             f"optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}"
-             if rank_and_world()[0] == 0 else 1)
-
-
 # ---------------------------------------------------------------------------- input checks
 # Bad input ends in one line on stderr and exit status 2 (see fail), before anything slow where possible.
 
@@ -1161,11 +1140,6 @@ def writable_directory(path: Path) -> Path:
     except OSError as error:
         fail(f"--output_dir {path}: not writable ({error.strerror or error})")
     return path
-
-
-def looks_like_a_path(name: str) -> bool:
-    """A name written as a local path (absolute, ./, ../ or ~), which the Hub would never have."""
-    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
 
 
 def not_in_offline_cache(subject: str, local: str) -> str:
