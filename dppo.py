@@ -38,8 +38,8 @@ Simplifications:
 """
 
 
-import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal, sys, time, warnings  # noqa: E401
-import urllib.error, urllib.request  # noqa: E401
+import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal  # noqa: E401
+import sys, tempfile, time, urllib.error, urllib.request, warnings  # noqa: E401
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -932,14 +932,12 @@ def check_model_source(name_or_path: str):
 
 
 # ---------------------------------------------------------------------------- processes
-# `torchrun --nproc_per_node N dppo.py ...` starts N copies of this file that share every RL step: each samples,
-# scores and trains on P/N of the step's prompts; FSDP2 shards the weights, gradients and AdamW state; the
-# numbers that must be global (loss normalisers, rewards, metrics, evaluation counts) are added up across
-# processes; rank 0 alone prints and writes. Without torchrun there is no process group: all of it is a no-op.
+# `torchrun --nproc_per_node N dppo.py` starts N processes that share every RL step: each samples, scores and trains
+# on P/N of its prompts; FSDP2 shards weights, gradients and AdamW; global numbers (loss normalisers, rewards, metrics,
+# evaluation counts) are added up; rank 0 alone prints and writes. Without torchrun all of it is a no-op.
 
 
 def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes: (0, 1) unless started by torchrun."""
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -1017,17 +1015,14 @@ def save_model(model, tokenizer, directory: Path):
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: the model, AdamW's whole state, the
-    step, SAS's history and every process's torch random streams (the other random numbers come from seeded
-    random.Random instances). Written aside and renamed into place: a crash mid-write leaves the last one whole."""
+    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: model, AdamW, step, SAS's history and
+    each process's torch random streams. Written aside, then renamed: a crash mid-write leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
-    rank = rank_and_world()[0]
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
     weights, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     random_states = gathered([{"torch": torch.get_rng_state(),
                                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}])
-    if rank == 0:
+    if rank_and_world()[0] == 0:
+        shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
         torch.save({"step": step, "optimizer": optimizer_state, "reward_history": reward_history,
@@ -1039,17 +1034,15 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
-    """AdamW's state and this process's random streams (the model was loaded from the checkpoint); returns the
-    next step, the accuracy before training and SAS's history. weights_only=True: a crafted file cannot run code."""
+    """AdamW's state and this process's random streams (the model itself loads as --model); returns the next step,
+    the accuracy before training and SAS's history. weights_only=True: a crafted file cannot run code."""
     try:
         state = torch.load(checkpoint / "training_state.pt", weights_only=True)
     except pickle.UnpicklingError:
-        fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values (unpickling "
-             "them could run code), so it is not a dppo checkpoint and is not loaded")
+        fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values; not loaded")
     rank, world = rank_and_world()
     if len(state["random_states"]) != world:
-        fail(f"--resume: the checkpoint in {checkpoint} was written by {len(state['random_states'])} processes, "
-             f"and this run has {world}; resume with as many")
+        fail(f"--resume: {checkpoint} was written by {len(state['random_states'])} processes, and this run has {world}")
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(state["random_states"][rank]["torch"])
     if state["random_states"][rank]["cuda"] is not None and torch.cuda.is_available():
@@ -1062,8 +1055,7 @@ STOP_REQUESTED = []  # set by Ctrl-C
 
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once.
-    The caller's handler is put back after."""
+    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once."""
     def stop_after_this_step(signum, frame):
         if STOP_REQUESTED:
             raise KeyboardInterrupt
@@ -1086,22 +1078,18 @@ def parse_config(argv=None) -> Config:
     """Flags typed on the command line always win; then the objective's own defaults; then the demo's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
     parser.error = fail  # an unknown flag or objective, or a value of the wrong type: one line, exit status 2
+    other_defaults = {**OBJECTIVE_DEFAULTS, "demo": DEMO_DEFAULTS}  # each flag's help lists its own
     for f in dataclasses.fields(Config):
-        special = [f"{name}: {overrides[f.name]!r}" for name, overrides in OBJECTIVE_DEFAULTS.items() if f.name in overrides]
-        if f.name in DEMO_DEFAULTS:
-            special.append(f"demo: {DEMO_DEFAULTS[f.name]!r}")
+        special = [f"{name}: {values[f.name]!r}" for name, values in other_defaults.items() if f.name in values]
         help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
         choices = list(OBJECTIVES) if f.name == "objective" else f.metadata.get("choices")  # the OBJECTIVES table's
-        if isinstance(f.default, bool):
-            parser.add_argument(f"--{f.name}", action="store_true", help=help)
-        else:
-            parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, help=help)
+        kind = dict(action="store_true") if isinstance(f.default, bool) else dict(type=type(f.default), choices=choices)
+        parser.add_argument(f"--{f.name}", help=help, **kind)
     given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
     objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
     cfg = Config(**{**demo_defaults, **objective_defaults, **given})
-    if not cfg.output_dir:
-        cfg.output_dir = f"runs/{cfg.objective}-seed{cfg.seed}"
+    cfg.output_dir = cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}"
     check_config(cfg)
     return cfg
 
@@ -1134,9 +1122,7 @@ def check_config(cfg: Config):
 def writable_directory(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".dppo-write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        tempfile.TemporaryFile(dir=path).close()  # can a file be written there?
     except OSError as error:
         fail(f"--output_dir {path}: not writable ({error.strerror or error})")
     return path
