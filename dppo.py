@@ -1164,8 +1164,7 @@ def fail(message: str):
 
 # ################################################################################################################
 # ============================================================================ appendix: the offline demo
-# GSM8K-shaped arithmetic word problems and a tiny model warm-started on them, built once; and the exact
-# full-vocabulary divergences, for tests and teaching.
+# GSM8K-shaped arithmetic problems and a tiny model warm-started on them; the exact full-vocabulary divergences.
 # ################################################################################################################
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
@@ -1181,9 +1180,8 @@ NOUNS = ["apples", "pens", "cards", "books", "shells", "coins", "eggs", "stamps"
 
 
 def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> dict[str, list[dict]]:
-    """GSM8K-shaped one-step word problems over small numbers in disjoint warm-up, test and train sets; a fixed
-    seed, so every run and the cached tiny model see the same sets."""
-    rng, seen, problems = random.Random(seed), set(), []
+    """One-step word problems over small numbers in disjoint warm-up, test and train sets (a fixed seed)."""
+    rng, problems = random.Random(seed), {}  # question -> problem, as first drawn
     while len(problems) < n_warmup + n_test + n_train:
         op, template = rng.choice(ARITHMETIC_TEMPLATES)
         if op == "+":
@@ -1194,10 +1192,9 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
         else:
             a, b = rng.randint(2, 9), rng.randint(2, 9)
         question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
-        if question not in seen:
-            seen.add(question)
-            c = {"+": a + b, "-": a - b, "*": a * b}[op]
-            problems.append({"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
+        c = {"+": a + b, "-": a - b, "*": a * b}[op]
+        problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
+    problems = list(problems.values())
     return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test],
             "train": problems[n_warmup + n_test :]}
 
@@ -1219,9 +1216,8 @@ TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so c
 
 
 def build_tiny_model(cache_dir: str) -> str:
-    """The demo's policy: a 0.55M-parameter Qwen2 with a 451-token byte-level BPE vocabulary trained on the problems,
-    warm-started by supervised learning until it solves about 30% of a dev split, so that RL starts from partial
-    competence as from a pretrained LM. Built once into cache_dir, loaded as a real checkpoint is."""
+    """The demo's policy, built once into cache_dir: a 0.55M-parameter Qwen2 with a 451-token BPE vocabulary, warm-
+    started by supervised learning to about 30% dev accuracy, so that RL starts from partial competence."""
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
@@ -1237,8 +1233,8 @@ def build_tiny_model(cache_dir: str) -> str:
                          tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits
-    # split one by one) from this vocabulary, so the model must learn on *its* token boundaries.
+    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits split one
+    # by one) from this vocabulary, so the model must learn on *its* token boundaries.
     tokenizer = AutoTokenizer.from_pretrained(building)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
@@ -1253,16 +1249,14 @@ def build_tiny_model(cache_dir: str) -> str:
 
 def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=2e-3, check_every=10, max_steps=2000):
     """Supervised fine-tuning on gold solutions until greedy dev accuracy reaches target_accuracy."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng, device = random.Random(0), torch.device("cpu")
+    optimizer, rng = torch.optim.AdamW(model.parameters(), lr=lr), random.Random(0)
     for step in range(1, max_steps + 1):
         batch = rng.sample(problems, batch_size)
-        prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], device)
+        prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], "cpu")
         completions = tokenizer([" " + p["answer"] + tokenizer.eos_token for p in batch], return_tensors="pt",
                                 padding=True, padding_side="right", add_special_tokens=False)
-        logp = policy_logprobs(model, prompts.input_ids, prompts.attention_mask,
-                               completions.input_ids, completions.attention_mask, temperature=1.0).logp
         mask = completions.attention_mask
+        logp = policy_logprobs(model, prompts.input_ids, prompts.attention_mask, completions.input_ids, mask, 1.0).logp
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
