@@ -40,7 +40,6 @@ Simplifications:
 
 import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal  # noqa: E401
 import sys, tempfile, time, urllib.error, urllib.request, warnings  # noqa: E401
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -63,10 +62,10 @@ from rewards import extract_answer, extract_gold, reward  # noqa: E402
 
 
 def setting(default, help, **argparse_kwargs):  # a Config field that is also a command-line flag
-    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+    return dataclasses.field(default=default, metadata=dict(help=help, **argparse_kwargs))
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     # --- what to train, on what ---
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
@@ -147,8 +146,7 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems: lis
         rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)]
         all_rewards, all_advantages = step_advantages(rewards, indices, reward_history, cfg)
     with measured("update", clock, model.device):
-        if cfg.recompute_old:
-            rollout = recompute_anchor(model, rollout, cfg)
+        rollout = recompute_anchor(model, rollout, cfg) if cfg.recompute_old else rollout
         update_metrics = update_policy(model, optimizer, rollout, all_advantages.chunk(world)[rank], cfg)
     return {"step": step, **step_metrics(rollout, all_rewards, all_advantages, clock, model, cfg), **update_metrics}
 
@@ -204,7 +202,7 @@ class SamplingRecorder(LogitsProcessor):
         return stack(self.topk_ids), LogProbs(stack(self.logp_mu), stack(self.topk_logp_mu), stack(self.entropy_mu))
 
 
-@dataclass
+@dataclasses.dataclass
 class Rollout:
     """B = P*G sampled completions (a prompt's G samples in consecutive rows), mu, and the trust region's anchor."""
     prompt_ids: torch.Tensor       # (B, Lp) left-padded
@@ -231,8 +229,7 @@ class Rollout:
 
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
-    """One completion per prompt, recording mu. Every sampling setting is explicit: generate(do_sample=True) would
-    otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
+    """One completion per prompt, recording mu; every sampling setting explicit, or a checkpoint's would change mu."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model):
@@ -326,8 +323,7 @@ def step_advantages(rewards: list[float], indices: list[int], reward_history: di
 
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
-    """--recompute_old: the anchor becomes pi_old, a no-grad pass of the policy before the step's first update. It
-    differs from mu by the sampler's numerics (KV cache vs teacher forcing; bf16; --sampler_dtype). mu stays."""
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update; mu stays as sampled."""
     old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.rows(rows)
@@ -340,8 +336,7 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    """M optimizer steps: shuffle, split into M mini-batches, and for each accumulate the gradient a micro-batch at
-    a time, clip its norm, and step. Returns the step's diagnostics."""
+    """M optimizer steps, one per shuffled mini-batch, each on gradients accumulated a micro-batch at a time."""
     rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device))
     needs = OBJECTIVES[cfg.objective][1]
     stats, losses, grad_norms = TokenStats(), [], []
@@ -399,7 +394,6 @@ def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.T
 
 
 def dppo_objective(pi, old, A, c):
-    """DPPO's loss with --objective's divergence between the anchor and pi."""
     return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
 
 
@@ -554,19 +548,17 @@ LOGITS_CHUNK_ELEMENTS = 2**23
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                     topk_ids=None, with_entropy=False) -> LogProbs:
-    """One teacher-forced pass of pi over prompt + completion: log pi(a_t | s_t) (B, T) in fp32 with gradient; without
-    gradient, log pi at topk_ids (B, T, K) if given and the entropy if with_entropy. The T tokens are the last T
-    columns; positions count from each row's first real token, as in generate(). The body runs through the model's
-    own forward (FSDP2 gathers as usual) asked for no logits; the output layer (lm_head of the last hidden state, as
-    in Llama, Qwen, Mistral) then runs a chunk of positions at a time under activation checkpointing."""
+    """One teacher-forced pass: log pi(a_t | s_t) (B, T) in fp32 with gradient; without, log pi at topk_ids (B, T, K)
+    and the entropy, if asked. The body runs as the model's own forward (FSDP2 gathers as usual) with no logits; the
+    output layer (lm_head, as in Llama, Qwen, Mistral) then runs on chunks of positions under checkpointing."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
     (B, T), K = completion_ids.shape, topk_ids.shape[-1] if topk_ids is not None else 0
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=no_position, output_hidden_states=True).hidden_states[-1]  # after the final norm
-    hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)
+    hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)  # predict the last T
     topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
     lm_head = model.get_output_embeddings()
     n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
@@ -839,7 +831,6 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
-    """A datasets DatasetDict's train and test splits as lists of problems, once their columns are checked."""
     for split in ("train", "test"):
         if split not in splits:
             fail(f"--dataset {source}: no {split!r} split (it has {', '.join(map(repr, splits))}); train and test are needed")
@@ -912,8 +903,7 @@ def refresh_sampler(sampler, model):
 
 
 def check_model_source(name_or_path: str):
-    """Refuse a --model that cannot load, before any download: a missing or incomplete local directory; a Hub
-    id while the Hub is unreachable or, with HF_HUB_OFFLINE=1, not in the cache."""
+    """Refuse, before any download, a --model that cannot load: an incomplete directory, an unreachable Hub id."""
     local = Path(name_or_path).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -1034,8 +1024,7 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
-    """AdamW's state and this process's random streams (the model itself loads as --model); returns the next step,
-    the accuracy before training and SAS's history. weights_only=True: a crafted file cannot run code."""
+    """AdamW and the random streams; the next step, accuracy before training, SAS's history. A file cannot run code."""
     try:
         state = torch.load(checkpoint / "training_state.pt", weights_only=True)
     except pickle.UnpicklingError:
