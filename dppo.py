@@ -459,10 +459,9 @@ def dcpo_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, r_max=10
 
 def erc_loss(logp, logp_old, advantages, entropy_pi, entropy_old, clip_low=0.2, clip_high=0.28, dual_clip=10.0,
              beta_low=0.05, beta_high=0.05):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on top of ppo_clip, with rho = (H_pi + 1e-8) / (H_mu + 1e-8) of the
-    full-vocabulary entropies at this position (no gradient through rho):
-        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high,   sg(l_ppo_clip) elsewhere.
-    A hard gradient mask, not a penalty (masked tokens still count in the aggregation). Blocked: clipped, or outside."""
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip: a hard gradient mask (masked tokens still count in the
+    aggregation), with rho = (H_pi + 1e-8) / (H_mu + 1e-8) of the full-vocabulary entropies (no gradient through rho):
+        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
     loss, clipped = ppo_clip_loss(logp, logp_old, advantages, clip_low, clip_high, dual_clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high)
     return torch.where(kept, loss, loss.detach()), clipped | ~kept
@@ -474,11 +473,10 @@ def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
 
 
 def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi, with the trust-region mask M (no
-    gradient) blocking a token only when it moves *away* from mu past the threshold:
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the trust-region mask M (no gradient)
+    blocks a token only when it moves *away* from mu, p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t):
         M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)
-    p = pi(a_t), q = mu(a_t), D = the divergence between mu(.|s_t) and pi(.|s_t). A token moving back toward mu is
-    never blocked, however large D is. For r <= C the gradient is that of -A * r * M."""
+    A token moving back toward mu is never blocked, however large D. For r <= C the gradient is that of -A * r * M."""
     ratio = torch.exp(logp - logp_old).detach()
     blocked = dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high)
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
@@ -814,8 +812,7 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
 def read_jsonl(path: Path) -> list[dict]:
     """Problems from a JSONL file: each non-blank line a JSON object with string fields question and answer."""
     if not path.is_file():  # in a dataset directory
-        fail(f"{path.parent}: no {path.name} there (a dataset directory holds train.jsonl and test.jsonl, or a "
-             "DatasetDict written by save_to_disk)")
+        fail(f"--dataset {path.parent}: no {path.name} there (a dataset directory holds train.jsonl and test.jsonl)")
     problems = []
     for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
