@@ -547,8 +547,7 @@ LOGITS_CHUNK_ELEMENTS = 2**23
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                     topk_ids=None, with_entropy=False) -> LogProbs:
     """One teacher-forced pass: log pi(a_t | s_t) (B, T) in fp32 with gradient; without, log pi at topk_ids (B, T, K)
-    and the entropy, if asked. The body runs as the model's own forward (FSDP2 gathers as usual) with no logits; the
-    output layer (lm_head, as in Llama, Qwen, Mistral) then runs on chunks of positions under checkpointing."""
+    and the entropy, if asked. The model's own forward makes no logits; its lm_head then runs a chunk at a time."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
@@ -919,9 +918,8 @@ def check_model_source(name_or_path: str):
 
 
 # ---------------------------------------------------------------------------- processes
-# `torchrun --nproc_per_node N dppo.py` starts N processes that share every RL step: each samples, scores and trains
-# on P/N of its prompts; FSDP2 shards weights, gradients and AdamW; global numbers (loss normalisers, rewards, metrics,
-# evaluation counts) are added up; rank 0 alone prints and writes. Without torchrun all of it is a no-op.
+# Under torchrun, N processes share every RL step, each on P/N of its prompts; FSDP2 shards weights, gradients and
+# AdamW; global numbers (normalisers, rewards, metrics) are added up; rank 0 alone writes. Else all this is a no-op.
 
 
 def rank_and_world() -> tuple[int, int]:
