@@ -7,7 +7,7 @@ compared against, behind one flag.
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
 
-The algorithm in this file's names; rl_step is one step, and the file reads in this order:
+The algorithm in this file's names, in the order the file reads:
 
     for step in 1 .. steps:                                                         rl_step
         sample G completions of each of P prompts, recording mu, the distribution   generate_rollout
@@ -22,29 +22,26 @@ The algorithm in this file's names; rl_step is one step, and the file reads in t
           log pi from one teacher-forced pass, the output layer in chunks            policy_logprobs
         every eval_every steps: greedy held-out accuracy                             evaluate
 
-Simplifications, stated once:
+Simplifications:
   - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it to
     a recomputed pi_old and keeps the importance ratio against mu through a rollout-correction weight on pi_old/mu
     (the paper's ablation; truncated at 2 by default, so exactly the paper's only while pi_old/mu <= 2). The top-K
     divergences always partition the vocabulary by mu's top-K ids.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
-  - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output
-    layer runs on a chunk of positions at a time under activation checkpointing.
-  - On CUDA the weights and AdamW stay fp32 and forward passes run in bf16 (autocast in one process, FSDP2's
-    mixed precision under torchrun); log-probs, ratios and losses are always fp32. On CPU all is fp32.
-  - Under torchrun each process runs the whole loop on its share of every step; FSDP2 only (no tensor or
-    pipeline parallelism), so each process holds the whole model while it generates. No vLLM: sampling is
-    plain `generate`, from the policy or, with --sampler_dtype, from a bf16/fp16 copy refreshed before every
-    rollout, as an inference engine would be: the training-inference mismatch on a switch.
-  - The loss of the first (on-policy) update is ~0 by construction (r = 1, advantages centred per group):
-    watch reward and accuracy, not the loss.
+  - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output layer
+    runs on a chunk of positions at a time under activation checkpointing.
+  - On CUDA, weights and AdamW are fp32 and forward passes bf16 (autocast; under torchrun FSDP2's mixed precision);
+    log-probs, ratios and losses are always fp32. On CPU all is fp32.
+  - Under torchrun each process runs the whole loop on its share of every step; FSDP2 only (no tensor or pipeline
+    parallelism), so each process holds the whole model while it generates. No vLLM: sampling is plain `generate`,
+    from the policy or (--sampler_dtype) from a bf16/fp16 copy refreshed before every rollout, as an inference
+    engine's would be: the training-inference mismatch on a switch.
+  - The first (on-policy) update's loss is ~0 by construction (r = 1, advantages centred): watch reward and accuracy.
 """
 
 
-import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal, sys, time, warnings  # noqa: E401
-import urllib.error, urllib.request  # noqa: E401
-from collections import defaultdict
-from dataclasses import dataclass, field
+import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal  # noqa: E401
+import sys, tempfile, time, urllib.error, urllib.request, warnings  # noqa: E401
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -68,15 +65,14 @@ from rewards import extract_answer, extract_gold, reward  # noqa: E402
 
 
 def setting(default, help, **argparse_kwargs):  # a Config field that is also a command-line flag
-    return field(default=default, metadata=dict(help=help, **argparse_kwargs))
+    return dataclasses.field(default=default, metadata=dict(help=help, **argparse_kwargs))
 
 
-@dataclass
+@dataclasses.dataclass
 class Config:
     # --- what to train, on what ---
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
-    dataset: str = setting("gsm8k", "'gsm8k' (Hub openai/gsm8k), another Hub name, 'arithmetic' (the demo's), a JSONL file "
-                                    "of question/answer objects, or a directory: save_to_disk's, or with train/test.jsonl")
+    dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
     objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (the README maps each to its paper)")
     # --- rollout: sampling from mu ---
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
@@ -84,12 +80,11 @@ class Config:
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (DPPO's top-K divergences)")
-    sampler_dtype: str = setting("policy", "sample from the policy itself, or from a copy in this dtype refreshed before "
-                                           "every rollout, as an inference engine: the training-inference mismatch",
+    sampler_dtype: str = setting("policy", "sample from the policy or its copy in this dtype, as an inference engine",
                                  choices=["policy", "float32", "bfloat16", "float16"])
     # --- advantages and loss aggregation (shared by every objective) ---
-    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage standardisation, "
-                                     "with each prompt's reward history across visits", choices=["grpo", "sas"])
+    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage standardisation",
+                             choices=["grpo", "sas"])
     scale_rewards: str = setting("group", "GRPO: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
                                  choices=["group", "none"])
     loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
@@ -109,11 +104,10 @@ class Config:
     delta_low: float = setting(0.15, "binary_*/topk_*: a token with A < 0 whose probability falls is blocked when D > delta_low")
     delta_high: float = setting(0.15, "binary_*/topk_*: a token with A > 0 whose probability rises is blocked when D > delta_high")
     is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
-    recompute_old: bool = setting(False, "anchor the trust region to pi_old, a no-grad pass of the policy before the step's "
-                                         "first update, instead of to mu as sampled (the DPPO paper's ablation)")
-    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu that keeps the importance ratio against "
-                                             "mu: 'tis' min(w, cap); 'token_mis' 0 outside [low, high]; 'seq_mis' the same on "
-                                             "a completion's geometric-mean w; 'none': no weight (ratio pi/pi_old)",
+    recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
+    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu that keeps the ratio against mu: "
+                                             "'tis' min(w, cap); 'token_mis' 0 outside [low, high]; 'seq_mis' the same on "
+                                             "a completion's geometric-mean w; 'none' (ratio pi/pi_old)",
                                       choices=["tis", "token_mis", "seq_mis", "none"])
     correction_cap: float = setting(2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
     correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop preset)")
@@ -172,8 +166,7 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems: lis
         rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)]
         all_rewards, all_advantages = step_advantages(rewards, indices, reward_history, cfg)
     with measured("update", clock, model.device):
-        if cfg.recompute_old:
-            rollout = recompute_anchor(model, rollout, cfg)
+        rollout = recompute_anchor(model, rollout, cfg) if cfg.recompute_old else rollout
         update_metrics = update_policy(model, optimizer, rollout, all_advantages.chunk(world)[rank], cfg)
     return {"step": step, **step_metrics(rollout, all_rewards, all_advantages, clock, model, cfg), **update_metrics}
 
@@ -189,10 +182,9 @@ class LogProbs(NamedTuple):
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu, the distribution generate() samples each token from, one decoding step at a time. Logits
-    processors see the raw logits, before generate's temperature warper, so mu = softmax(logits / T) here: what
-    is sampled with top_k=0, top_p=1. Step t's token is known only at step t+1 (the last column of input_ids),
-    so step t's raw logits (generate's own tensor, not a copy) are kept until then: a few (B, V) temporaries."""
+    """Records mu, the distribution generate() samples from, one decoding step at a time. A logits processor sees
+    the logits before the temperature warper, so mu = softmax(logits / T) (sampled with top_k=0, top_p=1). Step t's
+    token is known only at step t+1 (input_ids' last column): until then its logits (generate's own) are kept."""
 
     def __init__(self, temperature: float, k: int):
         self.temperature, self.k = temperature, k
@@ -212,12 +204,10 @@ class SamplingRecorder(LogitsProcessor):
         return scores
 
     def record_sampled(self, tokens):
-        """log mu of the sampled tokens; one outside mu's top K takes the K-th slot (the evicted token joins
-        'the rest'), as the DPPO authors' code does."""
+        """log mu(a_t); a token outside mu's top K takes the K-th slot (which joins 'the rest'), as DPPO's code does."""
         scores, log_normaliser = self.pending
         logp = scores.gather(-1, tokens[:, None]).squeeze(-1).float() / self.temperature - log_normaliser
-        step = len(self.logp_mu)
-        ids, top_logp = self.topk_ids[step], self.topk_logp_mu[step]
+        ids, top_logp = self.topk_ids[len(self.logp_mu)], self.topk_logp_mu[len(self.logp_mu)]
         outside = ~(ids == tokens[:, None]).any(-1)
         ids[outside, -1], top_logp[outside, -1] = tokens[outside], logp[outside]
         self.logp_mu.append(logp)
@@ -228,12 +218,11 @@ class SamplingRecorder(LogitsProcessor):
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
             self.record_sampled(completion_ids[:, -1])
-        # generate() may run one step more than it keeps (a deferred stop check): drop it.
-        stack = lambda steps: torch.stack(steps[:T], dim=1)  # noqa: E731
+        stack = lambda steps: torch.stack(steps[:T], dim=1)  # noqa: E731  (generate() may run one step too many)
         return stack(self.topk_ids), LogProbs(stack(self.logp_mu), stack(self.topk_logp_mu), stack(self.entropy_mu))
 
 
-@dataclass
+@dataclasses.dataclass
 class Rollout:
     """B = P*G sampled completions (a prompt's G samples in consecutive rows), mu, and the trust region's anchor."""
     prompt_ids: torch.Tensor       # (B, Lp) left-padded
@@ -261,8 +250,7 @@ class Rollout:
 
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
-    """One completion per prompt, recording mu as it goes. Every sampling setting is explicit: generate(do_sample=True)
-    would otherwise apply top_k=50, and a checkpoint's defaults would change mu behind our back."""
+    """One completion per prompt, recording mu; every sampling setting explicit, or a checkpoint's would change mu."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
@@ -279,8 +267,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
     """1.0 up to and including the first EOS, 0.0 after it (generate() pads finished rows)."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
-    eos_strictly_before = is_eos.cumsum(1) - is_eos
-    return (eos_strictly_before == 0).float()
+    return (is_eos.cumsum(1) - is_eos == 0).float()  # no EOS strictly before
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
@@ -289,9 +276,8 @@ def decode(tokenizer, completion_ids, mask) -> list[str]:
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
 
 
-# A chat model gets one user turn through its own chat template: the question, then the user turn of the
-# "qwen-boxed" prompt of Qwen's math evaluation (QwenLM/Qwen2.5-Math, evaluation/utils.py): zero-shot, and one
-# \boxed{} span for the reward to read. Models without a chat template (the demo's) see "Question: ...\nAnswer:".
+# A chat model gets one user turn through its own chat template: the question, then the "qwen-boxed" prompt of Qwen's
+# math evaluation (QwenLM/Qwen2.5-Math, evaluation/utils.py): zero-shot, one \boxed{} span for the reward to read.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -299,7 +285,7 @@ def format_prompt(tokenizer, question: str) -> str:
     if tokenizer.chat_template:
         messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {question}\nAnswer:"
+    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
@@ -346,8 +332,7 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
 
 
 def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
-    """The whole step's rewards and advantages (P x G each, prompt order), from every process's rewards: so DCPO's
-    per-prompt history is the same on every process, whichever saw a prompt before, and equals one process's."""
+    """All processes' rewards and the step's advantages (P x G, prompt order): SAS's history is the same everywhere."""
     all_rewards = torch.tensor(gathered(rewards))
     if cfg.advantage == "sas":
         return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
@@ -359,9 +344,7 @@ def step_advantages(rewards: list[float], indices: list[int], reward_history: di
 
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
-    """--recompute_old, the DPPO paper's ablation: the trust region measures from pi_old, the policy before this
-    step's first update (a no-grad pass), not from mu as sampled. They differ by the sampler's numerics (the
-    KV-cache pass versus a teacher-forced one; bf16; --sampler_dtype). mu stays as recorded, for diagnostics."""
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update; mu stays as sampled."""
     old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.rows(rows)
@@ -399,8 +382,7 @@ def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, hi
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    """M optimizer steps on one rollout batch: shuffle, split into M mini-batches, and for each accumulate the
-    gradient a micro-batch at a time, clip its norm, and step. Returns the step's diagnostics."""
+    """M optimizer steps, one per shuffled mini-batch, each on gradients accumulated a micro-batch at a time."""
     needs, mask = OBJECTIVES[cfg.objective][1], rollout.completion_mask
     stats, losses, grad_norms = TokenStats(), [], []
     correction = torch.ones_like(mask)
@@ -439,10 +421,10 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss, over the whole mini-batch, so micro-batches do not
-    change the update; under torchrun over all processes (a local count would weigh a token by its neighbours).
-    A row of zeros (--skip_zero_advantage) is left out of every count."""
-    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token of the mini-batch counts the same
+    """Per-token weights w with sum(w * l) = the mini-batch's loss, so micro-batches do not change the update; under
+    torchrun the counts are over all processes (a local count would weigh a token by its neighbours). A row of
+    zeros (--skip_zero_advantage) is left out of every count."""
+    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
         return mask / max(all_processes([mask.sum()])[0], 1)
     completions = max(all_processes([(mask.sum(1) > 0).sum()])[0], 1)
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
@@ -454,26 +436,23 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
 
 # ============================================================================ objectives
 # Each objective is a per-token loss l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t) with gradient,
-# logp_old = log of the anchor's probability of a_t (mu as sampled, or pi_old), the sequence's advantage A
-# broadcast over its tokens, and its own thresholds. Each returns (l, blocked): blocked marks the tokens its
-# trust region gives no gradient. No Config inside: each can be copied on its own.
+# logp_old = log of the anchor's probability of a_t (mu as sampled, or pi_old), the sequence's advantage A, and its
+# own thresholds. It returns (l, blocked): the tokens its trust region gives no gradient. No Config inside.
 
 
 def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss for one micro-batch: pi's log-probs from the training pass, the anchor's
-    (`old`), the advantages (B, 1) and the completion mask (B, T). A sampled token has mu(a_t) > 0; should a recorded log mu round to
-    -inf, it counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
+    """--objective's per-token loss for one micro-batch; advantages (B, 1), mask (B, T). A recorded log mu that
+    rounds to -inf counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
     loss, _ = OBJECTIVES[cfg.objective]
     return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
 
 
 def dppo_objective(pi, old, A, m, c):
-    """DPPO's loss with --objective's divergence between the anchor and pi."""
     return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
 
 
-# --objective -> (its loss from pi's and the anchor's LogProbs, the advantages, the completion mask and the Config;
-#                 what pi's training forward pass must compute besides log pi(a_t))
+# --objective -> (its loss from pi's and the anchor's LogProbs, A, the mask and the Config; what pi's pass computes
+#                 besides logp)
 OBJECTIVES = {
     "pg": (lambda pi, old, A, m, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
     "ppo_clip": (lambda pi, old, A, m, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip,
@@ -505,10 +484,9 @@ def pg_loss(logp, logp_old, advantages, is_cap=math.inf):
 
 
 def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip):
-    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds,
-    with dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729):
-        l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)
-    Blocked: the tokens where a clip binds (they get no gradient)."""
+    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds, with
+    dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729); blocked: where a clip binds (no gradient).
+        l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)"""
     ratio = torch.exp(logp - logp_old)
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
@@ -546,18 +524,15 @@ def dcpo_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, r_max=10
 
 def erc_loss(logp, logp_old, advantages, entropy_pi, entropy_old, clip_low=0.2, clip_high=0.28, dual_clip=10.0,
              beta_low=0.05, beta_high=0.05):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on top of ppo_clip: with rho = (H_pi + 1e-8) / (H_mu + 1e-8),
-    the full-vocabulary entropies at this position (no gradient flows through rho),
-        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high,   sg(l_ppo_clip) elsewhere.
-    A hard gradient mask, not a penalty: masked tokens still count in the aggregation's denominator.
-    Blocked: clipped by ppo_clip, or outside the entropy band."""
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip: a hard gradient mask (masked tokens still count in the
+    aggregation), with rho = (H_pi + 1e-8) / (H_mu + 1e-8) of the full-vocabulary entropies (no gradient through rho):
+        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
     loss, clipped = ppo_clip_loss(logp, logp_old, advantages, clip_low, clip_high, dual_clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high)
     return torch.where(kept, loss, loss.detach()), clipped | ~kept
 
 
 def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
-    """ERC's band: 1 - beta_low < (H_pi + 1e-8) / (H_mu + 1e-8) < 1 + beta_high."""
     rho = (entropy_pi + 1e-8) / (entropy_old + 1e-8)
     return (rho > 1 - beta_low) & (rho < 1 + beta_high)
 
@@ -587,28 +562,25 @@ def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
 
 
 def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi, with the trust-region mask M
-    (no gradient) blocking a token only when it moves *away* from mu past the threshold:
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the trust-region mask M (no gradient)
+    blocks a token only when it moves *away* from mu, p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t):
         M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)
-    p = pi(a_t), q = mu(a_t), D = the divergence between mu(.|s_t) and pi(.|s_t). A token moving back toward
-    mu is never blocked, however large D is. For r <= C the gradient is that of -A * r * M."""
+    A token moving back toward mu is never blocked, however large D. For r <= C the gradient is that of -A * r * M."""
     ratio = torch.exp(logp - logp_old).detach()
     blocked = dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high)
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
 
 
 def dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high):
-    """DPPO's trust-region mask, 1 - M: the tokens that move away from mu with D past its threshold."""
+    """DPPO's 1 - M (see dppo_loss)."""
     return ((advantages > 0) & (logp > logp_old) & (divergence > delta_high)) | \
            ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
 
 
-# DPPO's divergences between mu(.|s_t) and pi(.|s_t) (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the
-# top-K ones and their lower-bound property, its appendix). Each is the TV or KL of the two distributions
-# *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or {mu's top-K tokens one by
-# one, the rest} (top-K). A coarser partition never increases TV or KL, so binary <= top-K <= full vocabulary:
-# the approximations can only block less. In fp32, without gradient; probabilities are clamped at 1e-12 so
-# every value is finite at p or q = 0 or 1.
+# DPPO's divergences (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the top-K ones, its appendix) are the TV or KL
+# of mu(.|s_t) and pi(.|s_t) *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or {mu's
+# top-K tokens one by one, the rest} (top-K). Coarsening never increases TV or KL, so binary <= top-K <= full: the
+# approximations can only block less. In fp32, without gradient; probabilities clamped at 1e-12 keep them finite.
 
 LOG_EPS = math.log(1e-12)
 
@@ -638,13 +610,9 @@ def topk_kl(topk_logp_mu, topk_logp_pi):
 
 
 def with_rest(logp: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the cells of a partition: the given outcomes (last axis) plus 'the rest' = 1 - their sum."""
-    return torch.cat([logp, log1mexp(logp.logsumexp(-1, keepdim=True))], dim=-1)
-
-
-def log1mexp(logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - p) from log p, accurate near p = 1, where computing 1 - p directly loses every digit."""
-    return (-torch.expm1(logp)).clamp(min=1e-12).log()
+    """Log-probs of a partition's cells: the given outcomes (last axis) plus 'the rest' = 1 - their sum."""
+    rest = (-torch.expm1(logp.logsumexp(-1, keepdim=True))).clamp(min=1e-12).log()  # log(1 - p), accurate near p = 1
+    return torch.cat([logp, rest], dim=-1)
 
 
 def partition_tv(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
@@ -653,7 +621,7 @@ def partition_tv(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
 
 
 def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
-    """KL(mu || pi) = sum_cells mu(cell) log(mu(cell) / pi(cell)), cells on the last axis, mu first."""
+    """KL(mu || pi) = sum_cells mu(cell) log(mu(cell) / pi(cell)), cells on the last axis."""
     logp_mu, logp_pi = logp_mu.clamp(min=LOG_EPS), logp_pi.clamp(min=LOG_EPS)
     return (logp_mu.exp() * (logp_mu - logp_pi)).sum(-1)
 
@@ -667,21 +635,16 @@ LOGITS_CHUNK_ELEMENTS = 2**23
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                     topk_ids=None, with_entropy=False) -> LogProbs:
-    """One teacher-forced pass of pi over prompt + completion: for the T completion tokens, log pi(a_t | s_t) (B, T)
-    in fp32 with gradient; without gradient, log pi at topk_ids (B, T, K) if given and the entropy if with_entropy.
-    Left-padded prompts and right-padded completions put the T tokens in the last T columns, predicted from the
-    T columns before; positions count from each row's first real token, as generate() counts them. The body runs
-    once through the model's own forward (so FSDP2 gathers weights as usual), asked for no logits; the output
-    layer (logits = lm_head(last hidden state), as in Llama, Qwen, Mistral) then runs a chunk of positions at a
-    time under activation checkpointing: no B x T x V logits tensor ever exists."""
+    """One teacher-forced pass: log pi(a_t | s_t) (B, T) in fp32 with gradient; without, log pi at topk_ids (B, T, K)
+    and the entropy, if asked. The model's own forward makes no logits; its lm_head then runs a chunk at a time."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
     (B, T), K = completion_ids.shape, topk_ids.shape[-1] if topk_ids is not None else 0
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
     hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                    logits_to_keep=no_position, output_hidden_states=True).hidden_states[-1]  # after the final norm
-    hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)
+    hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)  # predict the last T
     topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
     lm_head = model.get_output_embeddings()
     n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
@@ -694,8 +657,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy):
-    """log pi = logit/T - logsumexp(logits/T) in fp32 for N positions: of the targets, and without gradient at
-    topk_ids (N, K) and the entropy (N,)."""
+    """log pi = logit/T - logsumexp(logits/T) in fp32 at N positions' targets; at topk_ids and the entropy, no grad."""
     logits = lm_head(hidden).float() / temperature
     log_normaliser = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
@@ -743,29 +705,23 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
 
 
 # ============================================================================ diagnostics
-# What a step did, for metrics.jsonl, outside the loss path. Where a trust region bites: the DPPO paper argues that
-# PPO's ratio clip falls mostly on low-probability tokens and a divergence mask does not, so a token counts as rare
-# when mu(a_t) < RARE_TOKEN_MU, and the clip objectives' blocked tokens are compared with a binary-TV mask's.
+# What a step did, for metrics.jsonl, outside the loss path. The DPPO paper argues that PPO's ratio clip falls mostly
+# on rare tokens (mu(a_t) < RARE_TOKEN_MU) and a divergence mask does not: clip objectives are compared with binary TV.
 RARE_TOKEN_MU, DIAGNOSTIC_TV_DELTA = 0.15, 0.15
 
 
-class TokenStats:
-    """Sums, counts and maxima of per-token values over one step's completion tokens: a name with "_frac" in it
-    holds 0/1 values and is reported as their share; any other as its mean and max."""
-
-    def __init__(self):
-        self.sum, self.count, self.max = defaultdict(float), defaultdict(int), defaultdict(lambda: -math.inf)
+class TokenStats(dict):
+    """name -> (sum, count, max) of per-token values over a step's completion tokens, over all processes; a name
+    with "_frac" in it holds 0/1 values and is reported as their share, any other as its mean and max."""
 
     def add(self, name: str, values: torch.Tensor):
-        self.sum[name] += values.sum().item()
-        self.count[name] += values.numel()
-        self.max[name] = max(self.max[name], values.max().item())
+        total, count, largest = self.get(name, (0.0, 0, -math.inf))
+        self[name] = (total + values.sum().item(), count + values.numel(), max(largest, values.max().item()))
 
     def metrics(self) -> dict:
-        """Over all processes (under torchrun): sums and counts added up, maxima the largest."""
-        names = sorted(self.sum)
-        totals = all_processes([self.sum[name] for name in names] + [self.count[name] for name in names])
-        maxima = all_processes([self.max[name] for name in names], op=dist.ReduceOp.MAX)
+        names = sorted(self)
+        totals = all_processes([self[name][0] for name in names] + [self[name][1] for name in names])
+        maxima = all_processes([self[name][2] for name in names], op=dist.ReduceOp.MAX)
         means = {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}
         return {**{name: mean for name, mean in means.items() if "_frac" in name},
                 **{f"{name}_{stat}": value for name, maximum in zip(names, maxima) if "_frac" not in name
@@ -871,8 +827,10 @@ def main(argv=None) -> dict:
         for step in progress:
             try:
                 metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
-            except FloatingPointError as error:
-                stop_on_non_finite(error, step, model, tokenizer, output_dir, cfg)
+            except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
+                save_model(model, tokenizer, output_dir)
+                sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that optimizer "
+                         f"step is in {output_dir}, metrics.jsonl up to step {step - 1}" if rank == 0 else 1)
             log(metrics)
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluation()
@@ -907,8 +865,7 @@ def main(argv=None) -> dict:
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
     """The training and held-out problems, once a --model that cannot load has been refused (no download first)."""
     if resume_from and not (resume_from / "training_state.pt").is_file():
-        fail(f"--resume {cfg.resume}: no checkpoint there ({resume_from}/training_state.pt); "
-             "a run writes one with --save_every N or on Ctrl-C")
+        fail(f"--resume {cfg.resume}: no checkpoint there; a run writes one with --save_every N or on Ctrl-C")
     if cfg.model and not resume_from:
         check_model_source(cfg.model)
     train_problems, held_out = load_problems(cfg)
@@ -932,12 +889,8 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
         from datasets import load_from_disk
         return train_and_test(load_from_disk(str(path)), cfg.dataset)
     if path.is_dir():
-        for split in ("train", "test"):
-            if not (path / f"{split}.jsonl").is_file():
-                fail(f"--dataset {cfg.dataset}: no {split}.jsonl there (a dataset directory holds train.jsonl and "
-                     "test.jsonl, or a DatasetDict written by save_to_disk)")
         return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
-    if looks_like_a_path(cfg.dataset) or cfg.dataset.endswith((".jsonl", ".json")):
+    if cfg.dataset.startswith(("/", "./", "../", "~")) or cfg.dataset.endswith((".jsonl", ".json")):  # a local path
         fail(f"--dataset {cfg.dataset}: no such file or directory")
     name, config = ("openai/gsm8k", "main") if cfg.dataset in ("gsm8k", "openai/gsm8k") else (cfg.dataset, None)
     require_hub(f"the dataset {name}")
@@ -951,33 +904,30 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
     return train_and_test(splits, cfg.dataset)
 
 
-def read_jsonl(path) -> list[dict]:
-    """Problems from a JSONL file; a line that is not a JSON object with question and answer is an error."""
-    if not Path(path).is_file():
-        fail(f"{path}: no such file")
+def read_jsonl(path: Path) -> list[dict]:
+    """Problems from a JSONL file: each non-blank line a JSON object with string fields question and answer."""
+    if not path.is_file():  # in a dataset directory
+        fail(f"--dataset {path.parent}: no {path.name} there (a dataset directory holds train.jsonl and test.jsonl)")
     problems = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                problem = json.loads(line)
-            except json.JSONDecodeError as error:
-                fail(f"{path}, line {number}: not valid JSON ({error.msg})")
-            if not (isinstance(problem, dict) and isinstance(problem.get("question"), str) and isinstance(problem.get("answer"), str)):
-                fail(f"{path}, line {number}: needs string fields 'question' and 'answer'")
-            problems.append(problem)
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            problem = json.loads(line)
+        except json.JSONDecodeError as error:
+            fail(f"{path}, line {number}: not valid JSON ({error.msg})")
+        if not isinstance(problem, dict) or not all(isinstance(problem.get(k), str) for k in ("question", "answer")):
+            fail(f"{path}, line {number}: needs string fields 'question' and 'answer'")
+        problems.append(problem)
     return problems
 
 
 def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
-    """A datasets DatasetDict's train and test splits as lists of problems, once their columns are checked."""
     for split in ("train", "test"):
         if split not in splits:
             fail(f"--dataset {source}: no {split!r} split (it has {', '.join(map(repr, splits))}); train and test are needed")
         if not {"question", "answer"} <= set(splits[split].column_names):
-            fail(f"--dataset {source}: its {split} split has columns {splits[split].column_names}; "
-                 "'question' and 'answer' are needed")
+            fail(f"--dataset {source}: its {split} split has columns {splits[split].column_names}, no question/answer")
     return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
 
 
@@ -1059,8 +1009,7 @@ def refresh_sampler(sampler, model):
 
 
 def check_model_source(name_or_path: str):
-    """Refuse a --model that cannot load, before any download: a missing or incomplete local directory; a Hub
-    id while the Hub is unreachable or, with HF_HUB_OFFLINE=1, not in the cache."""
+    """Refuse, before any download, a --model that cannot load: an incomplete directory, an unreachable Hub id."""
     local = Path(name_or_path).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -1068,11 +1017,9 @@ def check_model_source(name_or_path: str):
         if not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
             fail(f"--model {name_or_path}: no weights there (*.safetensors or *.bin)")
         return
-    try:
+    try:  # a local path (./x, ../x, ~/x, /x, a/b/c) is never a Hub id
         huggingface_hub.utils.validate_repo_id(name_or_path)
     except huggingface_hub.utils.HFValidationError:
-        fail(f"--model {name_or_path}: no such directory")
-    if looks_like_a_path(name_or_path):
         fail(f"--model {name_or_path}: no such directory")
     if not huggingface_hub.constants.HF_HUB_OFFLINE:
         require_hub(f"the model {name_or_path}")
@@ -1081,14 +1028,11 @@ def check_model_source(name_or_path: str):
 
 
 # ---------------------------------------------------------------------------- processes
-# `torchrun --nproc_per_node N dppo.py ...` starts N copies of this file that share every RL step: each samples,
-# scores and trains on P/N of the step's prompts; FSDP2 shards the weights, gradients and AdamW state; the
-# numbers that must be global (loss normalisers, rewards, metrics, evaluation counts) are added up across
-# processes; rank 0 alone prints and writes. Without torchrun there is no process group: all of it is a no-op.
+# Under torchrun, N processes share every RL step, each on P/N of its prompts; FSDP2 shards weights, gradients and
+# AdamW; global numbers (normalisers, rewards, metrics) are added up; rank 0 alone writes. Else all this is a no-op.
 
 
 def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes: (0, 1) unless started by torchrun."""
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -1179,17 +1123,14 @@ def save_model(model, tokenizer, directory: Path):
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: the model, AdamW's whole state, the
-    step, SAS's history and every process's torch random streams (the other random numbers come from seeded
-    random.Random instances). Written aside and renamed into place: a crash mid-write leaves the last one whole."""
+    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: model, AdamW, step, SAS's history and
+    each process's torch random streams. Written aside, then renamed: a crash mid-write leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
-    rank = rank_and_world()[0]
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
     weights, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     random_states = gathered([{"torch": torch.get_rng_state(),
                                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}])
-    if rank == 0:
+    if rank_and_world()[0] == 0:
+        shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
         torch.save({"step": step, "optimizer": optimizer_state, "reward_history": reward_history,
@@ -1201,17 +1142,14 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
-    """AdamW's state and this process's random streams (the model was loaded from the checkpoint); returns the
-    next step, the accuracy before training and SAS's history. weights_only=True: a crafted file cannot run code."""
+    """AdamW and the random streams; the next step, accuracy before training, SAS's history. A file cannot run code."""
     try:
         state = torch.load(checkpoint / "training_state.pt", weights_only=True)
     except pickle.UnpicklingError:
-        fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values (unpickling "
-             "them could run code), so it is not a dppo checkpoint and is not loaded")
+        fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values; not loaded")
     rank, world = rank_and_world()
     if len(state["random_states"]) != world:
-        fail(f"--resume: the checkpoint in {checkpoint} was written by {len(state['random_states'])} processes, "
-             f"and this run has {world}; resume with as many")
+        fail(f"--resume: {checkpoint} was written by {len(state['random_states'])} processes, and this run has {world}")
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(state["random_states"][rank]["torch"])
     if state["random_states"][rank]["cuda"] is not None and torch.cuda.is_available():
@@ -1224,8 +1162,7 @@ STOP_REQUESTED = []  # set by Ctrl-C
 
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once.
-    The caller's handler is put back after."""
+    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once."""
     def stop_after_this_step(signum, frame):
         if STOP_REQUESTED:
             raise KeyboardInterrupt
@@ -1240,14 +1177,6 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous_handler)
 
 
-def stop_on_non_finite(error: FloatingPointError, step: int, model, tokenizer, output_dir: Path, cfg: Config):
-    """A non-finite loss or gradient: the optimizer step was not taken; save the model as it is, and stop."""
-    save_model(model, tokenizer, output_dir)
-    sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model as it was before that "
-             f"optimizer step is saved in {output_dir}, with metrics.jsonl up to step {step - 1}"
-             if rank_and_world()[0] == 0 else 1)
-
-
 # ---------------------------------------------------------------------------- input checks
 # Bad input ends in one line on stderr and exit status 2 (see fail), before anything slow where possible.
 
@@ -1256,22 +1185,18 @@ def parse_config(argv=None) -> Config:
     """Flags typed on the command line always win; then the objective's own defaults; then the demo's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
     parser.error = fail  # an unknown flag or objective, or a value of the wrong type: one line, exit status 2
+    other_defaults = {**OBJECTIVE_DEFAULTS, "demo": DEMO_DEFAULTS}  # each flag's help lists its own
     for f in dataclasses.fields(Config):
-        special = [f"{name}: {overrides[f.name]!r}" for name, overrides in OBJECTIVE_DEFAULTS.items() if f.name in overrides]
-        if f.name in DEMO_DEFAULTS:
-            special.append(f"demo: {DEMO_DEFAULTS[f.name]!r}")
+        special = [f"{name}: {values[f.name]!r}" for name, values in other_defaults.items() if f.name in values]
         help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
         choices = list(OBJECTIVES) if f.name == "objective" else f.metadata.get("choices")  # the OBJECTIVES table's
-        if isinstance(f.default, bool):
-            parser.add_argument(f"--{f.name}", action="store_true", help=help)
-        else:
-            parser.add_argument(f"--{f.name}", type=type(f.default), choices=choices, help=help)
+        kind = dict(action="store_true") if isinstance(f.default, bool) else dict(type=type(f.default), choices=choices)
+        parser.add_argument(f"--{f.name}", help=help, **kind)
     given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
     objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
     cfg = Config(**{**demo_defaults, **objective_defaults, **given})
-    if not cfg.output_dir:
-        cfg.output_dir = f"runs/{cfg.objective}-seed{cfg.seed}"
+    cfg.output_dir = cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}"
     check_config(cfg)
     return cfg
 
@@ -1304,17 +1229,10 @@ def check_config(cfg: Config):
 def writable_directory(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".dppo-write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        tempfile.TemporaryFile(dir=path).close()  # can a file be written there?
     except OSError as error:
         fail(f"--output_dir {path}: not writable ({error.strerror or error})")
     return path
-
-
-def looks_like_a_path(name: str) -> bool:
-    """A name written as a local path (absolute, ./, ../ or ~), which the Hub would never have."""
-    return name.startswith(("/", "./", "../", "~")) or name in (".", "..")
 
 
 def not_in_offline_cache(subject: str, local: str) -> str:
@@ -1353,8 +1271,7 @@ def fail(message: str):
 
 # ################################################################################################################
 # ============================================================================ appendix: the offline demo
-# GSM8K-shaped arithmetic word problems and a tiny model warm-started on them, built once; and the exact
-# full-vocabulary divergences, for tests and teaching.
+# GSM8K-shaped arithmetic problems and a tiny model warm-started on them; the exact full-vocabulary divergences.
 # ################################################################################################################
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
@@ -1370,9 +1287,8 @@ NOUNS = ["apples", "pens", "cards", "books", "shells", "coins", "eggs", "stamps"
 
 
 def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> dict[str, list[dict]]:
-    """GSM8K-shaped one-step word problems over small numbers in disjoint warm-up, test and train sets; a fixed
-    seed, so every run and the cached tiny model see the same sets."""
-    rng, seen, problems = random.Random(seed), set(), []
+    """One-step word problems over small numbers in disjoint warm-up, test and train sets (a fixed seed)."""
+    rng, problems = random.Random(seed), {}  # question -> problem, as first drawn
     while len(problems) < n_warmup + n_test + n_train:
         op, template = rng.choice(ARITHMETIC_TEMPLATES)
         if op == "+":
@@ -1383,10 +1299,9 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
         else:
             a, b = rng.randint(2, 9), rng.randint(2, 9)
         question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
-        if question not in seen:
-            seen.add(question)
-            c = {"+": a + b, "-": a - b, "*": a * b}[op]
-            problems.append({"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
+        c = {"+": a + b, "-": a - b, "*": a * b}[op]
+        problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
+    problems = list(problems.values())
     return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test],
             "train": problems[n_warmup + n_test :]}
 
@@ -1408,9 +1323,8 @@ TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so c
 
 
 def build_tiny_model(cache_dir: str) -> str:
-    """The demo's policy: a 0.55M-parameter Qwen2 with a 451-token byte-level BPE vocabulary trained on the problems,
-    warm-started by supervised learning until it solves about 30% of a dev split, so that RL starts from partial
-    competence as from a pretrained LM. Built once into cache_dir, loaded as a real checkpoint is."""
+    """The demo's policy, built once into cache_dir: a 0.55M-parameter Qwen2 with a 451-token BPE vocabulary, warm-
+    started by supervised learning to about 30% dev accuracy, so that RL starts from partial competence."""
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
@@ -1426,8 +1340,8 @@ def build_tiny_model(cache_dir: str) -> str:
                          tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits
-    # split one by one) from this vocabulary, so the model must learn on *its* token boundaries.
+    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits split one
+    # by one) from this vocabulary, so the model must learn on *its* token boundaries.
     tokenizer = AutoTokenizer.from_pretrained(building)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
@@ -1442,16 +1356,14 @@ def build_tiny_model(cache_dir: str) -> str:
 
 def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=2e-3, check_every=10, max_steps=2000):
     """Supervised fine-tuning on gold solutions until greedy dev accuracy reaches target_accuracy."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng, device = random.Random(0), torch.device("cpu")
+    optimizer, rng = torch.optim.AdamW(model.parameters(), lr=lr), random.Random(0)
     for step in range(1, max_steps + 1):
         batch = rng.sample(problems, batch_size)
-        prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], device)
+        prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], "cpu")
         completions = tokenizer([" " + p["answer"] + tokenizer.eos_token for p in batch], return_tensors="pt",
                                 padding=True, padding_side="right", add_special_tokens=False)
-        logp = policy_logprobs(model, prompts.input_ids, prompts.attention_mask,
-                               completions.input_ids, completions.attention_mask, temperature=1.0).logp
         mask = completions.attention_mask
+        logp = policy_logprobs(model, prompts.input_ids, prompts.attention_mask, completions.input_ids, mask, 1.0).logp
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
