@@ -23,19 +23,17 @@ The algorithm in this file's names, in the order the file reads:
         every eval_every steps: greedy held-out accuracy                             evaluate
 
 Simplifications:
-  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it to
-    a recomputed pi_old and keeps the importance ratio against mu through a rollout-correction weight on pi_old/mu
-    (the paper's ablation; truncated at 2 by default, so exactly the paper's only while pi_old/mu <= 2). The top-K
-    divergences always partition the vocabulary by mu's top-K ids.
+  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it to a
+    recomputed pi_old and keeps the ratio against mu through a rollout-correction weight on pi_old/mu (the paper's
+    ablation; capped at 2 by default, so the paper's only while pi_old/mu <= 2). Top-K cells are mu's top-K ids.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
-  - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output layer
-    runs on a chunk of positions at a time under activation checkpointing.
-  - On CUDA, weights and AdamW are fp32 and forward passes bf16 (autocast; under torchrun FSDP2's mixed precision);
-    log-probs, ratios and losses are always fp32. On CPU all is fp32.
-  - Under torchrun each process runs the whole loop on its share of every step; FSDP2 only (no tensor or pipeline
-    parallelism), so each process holds the whole model while it generates. No vLLM: sampling is plain `generate`,
-    from the policy or (--sampler_dtype) from a bf16/fp16 copy refreshed before every rollout, as an inference
-    engine's would be: the training-inference mismatch on a switch.
+  - No B x T x V logits tensor is kept: mu is recorded a decoding step at a time, and pi's output layer runs on a
+    chunk of positions at a time under activation checkpointing.
+  - On CUDA: fp32 weights and AdamW, bf16 forward passes (autocast; FSDP2's mixed precision under torchrun);
+    log-probs, ratios and losses always fp32. On CPU all is fp32.
+  - Under torchrun each process runs the whole loop on its share of a step; FSDP2 only (no tensor or pipeline
+    parallelism), so each holds the whole model while it generates. No vLLM: plain `generate`, from the policy or
+    (--sampler_dtype) a bf16/fp16 copy refreshed before every rollout, as an engine's: the mismatch on a switch.
   - The first (on-policy) update's loss is ~0 by construction (r = 1, advantages centred): watch reward and accuracy.
 """
 
@@ -70,11 +68,9 @@ def setting(default, help, **argparse_kwargs):  # a Config field that is also a 
 
 @dataclasses.dataclass
 class Config:
-    # --- what to train, on what ---
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
     objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (the README maps each to its paper)")
-    # --- rollout: sampling from mu ---
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
@@ -82,20 +78,14 @@ class Config:
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (DPPO's top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from the policy or its copy in this dtype, as an inference engine",
                                  choices=["policy", "float32", "bfloat16", "float16"])
-    # --- advantages and loss aggregation (shared by every objective) ---
-    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage standardisation",
-                             choices=["grpo", "sas"])
-    scale_rewards: str = setting("group", "GRPO: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
-                                 choices=["group", "none"])
+    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", choices=["grpo", "sas"])
+    scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", choices=["group", "none"])
     loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
                             choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"])
-    skip_zero_advantage: bool = setting(False, "leave completions with A = 0 (under GRPO: the groups whose rewards are "
-                                               "all equal) out of the loss's normaliser")
-    # --- trust regions; each objective reads only its own ---
+    skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
     clip_low: float = setting(0.2, "ppo_clip, erc, gspo: ratio clipped below at 1 - eps_low (cispo: its weight); dcpo: eps_low")
     clip_high: float = setting(0.28, "ppo_clip, erc, gspo: ratio clipped above at 1 + eps_high (cispo: its weight); dcpo: eps_high")
-    relax_clip: str = setting("none", "ppo_clip: tokens with mu(a_t) < --relax_below escape the 'high' clip, the 'low' one or "
-                                      "'both' (the DPPO paper's relaxed-clip ablation)", choices=["none", "high", "low", "both"])
+    relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", choices=["none", "high", "low", "both"])
     relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
     dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
@@ -105,14 +95,11 @@ class Config:
     delta_high: float = setting(0.15, "binary_*/topk_*: a token with A > 0 whose probability rises is blocked when D > delta_high")
     is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
-    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu that keeps the ratio against mu: "
-                                             "'tis' min(w, cap); 'token_mis' 0 outside [low, high]; 'seq_mis' the same on "
-                                             "a completion's geometric-mean w; 'none' (ratio pi/pi_old)",
+    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu (see rollout_correction)",
                                       choices=["tis", "token_mis", "seq_mis", "none"])
     correction_cap: float = setting(2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
     correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop preset)")
     correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop preset)")
-    # --- optimisation ---
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
     updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (trust regions act from update 2)")
@@ -121,14 +108,11 @@ class Config:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
     gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward of time")
-    precision: str = setting("auto", "'bf16': forward passes in bf16 over fp32 weights and AdamW (autocast; FSDP2's mixed "
-                                     "precision under torchrun); 'fp32'; 'auto': bf16 on CUDA, fp32 on CPU",
+    precision: str = setting("auto", "'bf16': forward passes in bf16 over fp32 weights and AdamW; 'auto': bf16 on CUDA",
                              choices=["auto", "bf16", "fp32"])
-    # --- evaluation ---
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
-    # --- bookkeeping ---
     seed: int = setting(0, "seed for data order, sampling and initialisation")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
@@ -182,9 +166,8 @@ class LogProbs(NamedTuple):
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu, the distribution generate() samples from, one decoding step at a time. A logits processor sees
-    the logits before the temperature warper, so mu = softmax(logits / T) (sampled with top_k=0, top_p=1). Step t's
-    token is known only at step t+1 (input_ids' last column): until then its logits (generate's own) are kept."""
+    """Records mu one decoding step at a time: a logits processor sees the logits before the temperature warper, so
+    mu = softmax(logits / T) (top_k=0, top_p=1). Step t's token is known only at step t+1 (input_ids' last column)."""
 
     def __init__(self, temperature: float, k: int):
         self.temperature, self.k = temperature, k
@@ -358,9 +341,8 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 
 @torch.no_grad()
 def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
-    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): the trust region measures
-    from pi_old, the importance weight stays against mu. A pi_old-anchored loss times this weight on w = pi_old / mu
-    (mode 'tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi, M from pi_old. As verl applies it:
+    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
+    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
         'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
         'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
     Returns the weight (B, T) and the real tokens it truncated or zeroed."""
@@ -421,9 +403,8 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss, so micro-batches do not change the update; under
-    torchrun the counts are over all processes (a local count would weigh a token by its neighbours). A row of
-    zeros (--skip_zero_advantage) is left out of every count."""
+    """Per-token weights w with sum(w * l) = the mini-batch's loss, whatever the micro-batches; counts are over all
+    processes (a local count would weigh a token by its neighbours), and leave out rows of zeros."""
     if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
         return mask / max(all_processes([mask.sum()])[0], 1)
     completions = max(all_processes([(mask.sum(1) > 0).sum()])[0], 1)
@@ -435,14 +416,12 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
 
 
 # ============================================================================ objectives
-# Each objective is a per-token loss l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t) with gradient,
-# logp_old = log of the anchor's probability of a_t (mu as sampled, or pi_old), the sequence's advantage A, and its
-# own thresholds. It returns (l, blocked): the tokens its trust region gives no gradient. No Config inside.
+# Each objective is a per-token loss l_t to minimise from fp32 logp = log pi(a_t|s_t) (with gradient), logp_old (the
+# anchor's: mu, or pi_old), the completion's A and its thresholds (no Config); it returns (l, blocked: no gradient).
 
 
 def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss for one micro-batch; advantages (B, 1), mask (B, T). A recorded log mu that
-    rounds to -inf counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
+    """--objective's per-token loss; advantages (B, 1), mask (B, T). log mu >= log 1e-12 keeps r finite (0 * inf)."""
     loss, _ = OBJECTIVES[cfg.objective]
     return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
 
@@ -451,8 +430,7 @@ def dppo_objective(pi, old, A, m, c):
     return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
 
 
-# --objective -> (its loss from pi's and the anchor's LogProbs, A, the mask and the Config; what pi's pass computes
-#                 besides logp)
+# --objective -> (its loss from pi's and the anchor's LogProbs, A, mask, Config; what pi's pass computes beside logp)
 OBJECTIVES = {
     "pg": (lambda pi, old, A, m, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
     "ppo_clip": (lambda pi, old, A, m, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip,
@@ -540,8 +518,7 @@ def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
 def cispo_loss(logp, logp_old, advantages, clip_low=1.0, clip_high=4.0):
     """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token:
         l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi
-    Nothing is blocked. Defaults: no lower bound (eps_low = 1; MiniMax-M1 sets eps_low "to a large value"), a cap of
-    5 (eps_high = 4: ScaleRL's eps_max, arXiv 2510.13786). The DPPO paper's PG-TIS is pg with --is_cap 3 instead."""
+    Nothing is blocked. Defaults: no lower bound (MiniMax-M1's eps_low "to a large value"), a cap of 5 (ScaleRL's)."""
     weight = torch.exp(logp - logp_old).detach().clamp(1 - clip_low, 1 + clip_high)
     return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
 
@@ -550,8 +527,7 @@ def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
     """GSPO (arXiv 2507.18071, its GSPO-token form): one ratio per completion, the geometric mean of its tokens' ones,
         s_i = exp(mean_t log(pi / mu)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
         l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))
-    Blocked: every token of a completion whose clip binds. Defaults: the paper's eps 3e-4 / 4e-4 and its sequence-level
-    aggregation (seq_mean_token_mean). No clamp on log s (verl clamps at 10): log mu >= log 1e-12 keeps it finite."""
+    Blocked: every token of a completion whose clip binds. Defaults: the paper's eps and seq_mean_token_mean."""
     real = mask.bool()
     log_ratio = torch.where(real, logp - logp_old, 0.0)  # padding neither enters the mean nor can poison it
     log_s = log_ratio.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
@@ -577,10 +553,9 @@ def dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high):
            ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
 
 
-# DPPO's divergences (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the top-K ones, its appendix) are the TV or KL
-# of mu(.|s_t) and pi(.|s_t) *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or {mu's
-# top-K tokens one by one, the rest} (top-K). Coarsening never increases TV or KL, so binary <= top-K <= full: the
-# approximations can only block less. In fp32, without gradient; probabilities clamped at 1e-12 keep them finite.
+# DPPO's divergences (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the top-K ones, its appendix): TV or KL of
+# mu(.|s_t) and pi(.|s_t) *coarsened to a partition*: {a_t, the rest} (binary) or {mu's top-K ids, the rest} (top-K).
+# Coarsening never increases TV or KL, so binary <= top-K <= full: they can only block less. fp32, no gradient.
 
 LOG_EPS = math.log(1e-12)
 
@@ -628,8 +603,7 @@ def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ pi's log-probs
 
-# The training forward pass computes the output layer for at most this many positions x vocabulary entries at once:
-# 32 MiB of fp32 logits per temporary (55 positions at Qwen's 151,936 tokens), whatever the vocabulary.
+# pi's output layer runs on at most this many positions x vocabulary entries at once (32 MiB of fp32 logits).
 LOGITS_CHUNK_ELEMENTS = 2**23
 
 
@@ -711,8 +685,7 @@ RARE_TOKEN_MU, DIAGNOSTIC_TV_DELTA = 0.15, 0.15
 
 
 class TokenStats(dict):
-    """name -> (sum, count, max) of per-token values over a step's completion tokens, over all processes; a name
-    with "_frac" in it holds 0/1 values and is reported as their share, any other as its mean and max."""
+    """name -> (sum, count, max) over a step's tokens; reported as a share if "_frac" is in it, else as _mean, _max."""
 
     def add(self, name: str, values: torch.Tensor):
         total, count, largest = self.get(name, (0.0, 0, -math.inf))
@@ -730,8 +703,7 @@ class TokenStats(dict):
 
 @torch.no_grad()
 def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
-    """One micro-batch's per-token statistics, from pi, mu as sampled, the anchor and the blocked mask. |pi - mu|
-    on a step's first update is the sampler's numerics alone (pi is pi_old there): the training-inference mismatch."""
+    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
     m, A = mb.completion_mask.bool(), mb.advantages[:, None]
     p, q = pi.logp.exp(), mb.mu.logp.exp()
     for name, values in {"trust_region/blocked_frac": blocked & (A != 0), "trust_region/blocked_frac_pos_adv": blocked & (A > 0),
@@ -752,7 +724,6 @@ def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, b
 
 
 def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
-    """What the step's rollout was, and each phase's seconds, tokens per second and peak memory, over all processes."""
     mask, eos_ids = rollout.completion_mask, torch.tensor(model.generation_config.eos_token_id)
     completions, answers, tokens, truncated, entropy = all_processes([
         len(rollout.texts), sum(extract_answer(text) is not None for text in rollout.texts), mask.sum(),
@@ -771,7 +742,6 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
 
 @contextlib.contextmanager
 def measured(phase: str, clock: dict, device: torch.device):
-    """A phase's seconds and peak memory, into clock[phase]."""
     reset_peak_memory(device)
     started = time.time()
     yield
@@ -779,22 +749,18 @@ def measured(phase: str, clock: dict, device: torch.device):
 
 
 def reset_peak_memory(device: torch.device):
-    """Start measuring a peak: the CUDA allocator's, or on Linux the process's peak RSS (5 > /proc/self/clear_refs)."""
     if device.type == "cuda":
         return torch.cuda.reset_peak_memory_stats(device)
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the process's peak RSS (VmHWM)
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """The peak in MiB: tensors allocated on the GPU; on a CPU the process's peak RSS (NaN without Linux's /proc)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return math.nan
+    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
+    return math.nan
 
 
 # ============================================================================ main
@@ -810,13 +776,12 @@ def main(argv=None) -> dict:
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
-    # reward_history: --advantage sas's per-prompt reward statistics across visits
     first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, None, {})
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)  # noqa: E731
     # One JSON line per step and per evaluation, flushed as written: an interrupted run keeps every step it finished.
     with open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w") as metrics_file, \
-            stop_on_ctrl_c():
+            stop_on_ctrl_c() as stop_requested:
         log = lambda record: print(json.dumps({**record, "time/elapsed_s": time.time() - started}),  # noqa: E731
                                    file=metrics_file, flush=True)
         if initial_accuracy is None:
@@ -838,7 +803,7 @@ def main(argv=None) -> dict:
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{accuracy:.2f}",
                                  blocked=f"{metrics['trust_region/blocked_frac']:.3f}", gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
                                  train_tok_s=f"{metrics['throughput/trained_tokens_per_s']:.0f}")
-            stop = all_processes([len(STOP_REQUESTED)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
+            stop = all_processes([len(stop_requested)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
