@@ -828,11 +828,10 @@ def main(argv=None) -> dict:
 
 
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
-    """The training and held-out problems, once a --model that cannot load has been refused (no download first)."""
     if resume_from and not (resume_from / "training_state.pt").is_file():
         fail(f"--resume {cfg.resume}: no checkpoint there; a run writes one with --save_every N or on Ctrl-C")
     if cfg.model and not resume_from:
-        check_model_source(cfg.model)
+        check_model_source(cfg.model)  # a --model that cannot load is refused before the dataset downloads
     train_problems, held_out = load_problems(cfg)
     if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
         fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
@@ -841,8 +840,7 @@ def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
 
 
 def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) problems for --dataset: 'arithmetic' (the appendix's); a JSONL file (its last eval_n
-    held out); a directory (save_to_disk's, or train.jsonl + test.jsonl); a Hub name ('gsm8k': openai/gsm8k)."""
+    """(train, held-out): the demo's, a JSONL file's (its last eval_n held out), a directory's, or a Hub dataset's."""
     if cfg.dataset == "arithmetic":
         sets = arithmetic_problems()
         return sets["train"], sets["test"]
@@ -870,7 +868,6 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Problems from a JSONL file: each non-blank line a JSON object with string fields question and answer."""
     if not path.is_file():  # in a dataset directory
         fail(f"--dataset {path.parent}: no {path.name} there (a dataset directory holds train.jsonl and test.jsonl)")
     problems = []
@@ -897,8 +894,7 @@ def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
 
 
 def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Step `step`'s problem indices (also DCPO's prompt keys): passes over the set, each in its own seeded
-    shuffle, so the data order is a function of (seed, step) and a resumed run sees what a whole one would."""
+    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
     epoch, position = divmod(step - 1, n_problems // batch_size)
     order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
     return order[position * batch_size : (position + 1) * batch_size]
@@ -908,7 +904,6 @@ def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> lis
 
 
 def load_model(cfg: Config, resume_from, device) -> tuple:
-    """The policy and its tokenizer (from the checkpoint to resume, --model, or the demo's), the sampler, and AdamW."""
     with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
         checkpoint = str(resume_from) if resume_from else cfg.model or build_tiny_model(cfg.cache_dir)
     sharded = dist.is_initialized()  # then the model is built empty and filled from rank 0, see fill_from_rank_0
@@ -925,14 +920,10 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
 
 
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
-    """A causal LM and its tokenizer, from the Hub or a directory. The checkpoint's generation_config.json (Qwen2.5
-    ships temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1) is replaced by a blank one that keeps only
-    its EOS ids, or generate() would fill every setting we leave unset from it. Dropout is off (every dropout
-    probability set to 0): the update runs in train mode, where pi must equal mu before the first step. empty: the
-    model is built on the meta device, without its weights (fill_from_rank_0 fills it)."""
+    """A causal LM and its tokenizer; empty: built on the meta device, without weights (see fill_from_rank_0)."""
     try:
         tokenizer, config = AutoTokenizer.from_pretrained(name_or_path), AutoConfig.from_pretrained(name_or_path)
-        for key, value in config.to_dict().items():
+        for key, value in config.to_dict().items():  # dropout off: the update runs in train mode, where pi must be mu
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, 0.0)
         if empty:
@@ -953,12 +944,13 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
              "so no completion could ever end")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # Only the EOS ids of the checkpoint's generation config: generate() would take every setting left unset from
+    # it (Qwen2.5 ships temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1).
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
     return model, tokenizer
 
 
 def make_sampler(model, sampler_dtype: str):
-    """What rollouts sample from: the policy, or a copy in another dtype as an inference engine holds one."""
     if sampler_dtype == "policy":
         return model
     return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
@@ -966,7 +958,6 @@ def make_sampler(model, sampler_dtype: str):
 
 @torch.no_grad()
 def refresh_sampler(sampler, model):
-    """The trained weights into the sampler copy, cast to its dtype (under torchrun gathered one tensor at a time)."""
     if sampler is not model:
         weights = sampler.state_dict()
         for name, value in model.state_dict().items():
@@ -974,7 +965,6 @@ def refresh_sampler(sampler, model):
 
 
 def check_model_source(name_or_path: str):
-    """Refuse, before any download, a --model that cannot load: an incomplete directory, an unreachable Hub id."""
     local = Path(name_or_path).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -986,9 +976,9 @@ def check_model_source(name_or_path: str):
         huggingface_hub.utils.validate_repo_id(name_or_path)
     except huggingface_hub.utils.HFValidationError:
         fail(f"--model {name_or_path}: no such directory")
-    if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        require_hub(f"the model {name_or_path}")
-    elif not isinstance(huggingface_hub.try_to_load_from_cache(name_or_path, "config.json"), str):
+    require_hub(f"the model {name_or_path}")
+    cached = huggingface_hub.try_to_load_from_cache(name_or_path, "config.json")
+    if huggingface_hub.constants.HF_HUB_OFFLINE and not isinstance(cached, str):
         fail(not_in_offline_cache(f"--model {name_or_path}:", "a local model directory"))
 
 
@@ -1002,7 +992,6 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def set_up_device(name: str) -> torch.device:
-    """The device; under torchrun also join the process group: NCCL, one GPU per process, or gloo on CPUs."""
     device = torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if "LOCAL_RANK" in os.environ:
         if device.type == "cuda":
@@ -1013,8 +1002,7 @@ def set_up_device(name: str) -> torch.device:
 
 
 def shard(model, bf16=False):
-    """FSDP2 (fully_shard) per decoder layer, then the root: each process keeps 1/N of every parameter, gradient
-    and AdamW state. With bf16 (--precision) the weights stay fp32, compute runs in bf16, gradients reduce in fp32."""
+    """FSDP2 per decoder layer, then the root; with bf16 the weights stay fp32, compute is bf16, reduction fp32."""
     if not dist.is_initialized():
         return model
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
@@ -1028,14 +1016,12 @@ def shard(model, bf16=False):
 
 
 def fill_from_rank_0(module, whole, device):
-    """Under torchrun only rank 0 reads the weights, into CPU memory (`whole`); every process has built `module` on
-    the meta device and sharded it. Allocate its share on `device` and fill it from rank 0, one tensor at a time:
-    the weights by broadcast through set_model_state_dict, then the buffers a state dict leaves out (RoPE's)."""
+    """Rank 0 alone has read the weights (`whole`, on CPU): fill every process's share of `module`, built on meta."""
     module.to_empty(device=device)
     if isinstance(module, FSDPModule):  # (a sampler copy gets its weights from refresh_sampler before each rollout)
         set_model_state_dict(module, whole.state_dict() if whole is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, buffer in module.named_buffers():
+    for name, buffer in module.named_buffers():  # what a state dict leaves out (RoPE's)
         if whole is not None:
             buffer.copy_(whole.get_buffer(name))
         dist.broadcast(buffer, src=0)
@@ -1043,8 +1029,7 @@ def fill_from_rank_0(module, whole, device):
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Whole weights for a generate call, gathered once (FSDP2 alone would gather them for every new token). All
-    processes enter together (the gathers are collective); inside, each generates as many tokens as it needs."""
+    """Whole weights for generate, gathered once (FSDP2 alone would gather them for every token); a collective."""
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for unit in units:
         unit.unshard()
@@ -1058,7 +1043,6 @@ def full_weights(model):
 
 
 def all_processes(values: list, op=dist.ReduceOp.SUM) -> list[float]:
-    """Numbers added up (or reduced with op) over all processes: the numbers themselves in a single process."""
     if not dist.is_initialized():
         return [float(value) for value in values]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -1068,7 +1052,6 @@ def all_processes(values: list, op=dist.ReduceOp.SUM) -> list[float]:
 
 
 def gathered(items: list) -> list:
-    """Every process's list, concatenated in rank order: the list itself in a single process."""
     if not dist.is_initialized():
         return items
     lists = [None] * dist.get_world_size()
@@ -1080,7 +1063,6 @@ def gathered(items: list) -> list:
 
 
 def save_model(model, tokenizer, directory: Path):
-    """A save_pretrained directory of the whole model (under torchrun, every process's shards; rank 0 writes)."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank_and_world()[0] == 0:
         model.save_pretrained(directory, state_dict=weights)
@@ -1088,8 +1070,7 @@ def save_model(model, tokenizer, directory: Path):
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: model, AdamW, step, SAS's history and
-    each process's torch random streams. Written aside, then renamed: a crash mid-write leaves the last one whole."""
+    """All a run needs to go on as if uninterrupted, written aside then renamed: a crash leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
     weights, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     random_states = gathered([{"torch": torch.get_rng_state(),
@@ -1107,9 +1088,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
-    """AdamW and the random streams; the next step, accuracy before training, SAS's history. A file cannot run code."""
     try:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+        state = torch.load(checkpoint / "training_state.pt", weights_only=True)  # a checkpoint cannot run code
     except pickle.UnpicklingError:
         fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values; not loaded")
     rank, world = rank_and_world()
@@ -1122,22 +1102,20 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
     return state["step"] + 1, state["initial_accuracy"], state["reward_history"]
 
 
-STOP_REQUESTED = []  # set by Ctrl-C
-
-
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once."""
+    """Yields a list that Ctrl-C makes non-empty (main then stops after the step); a second Ctrl-C stops at once."""
+    requested = []
+
     def stop_after_this_step(signum, frame):
-        if STOP_REQUESTED:
+        if requested:
             raise KeyboardInterrupt
-        STOP_REQUESTED.append(True)
+        requested.append(True)
         if rank_and_world()[0] == 0:
             print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
-    STOP_REQUESTED.clear()
     previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
     try:
-        yield
+        yield requested
     finally:
         signal.signal(signal.SIGINT, previous_handler)
 
@@ -1167,7 +1145,6 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    """Settings that cannot work are refused before anything is loaded (--topk once the model is)."""
     for f in dataclasses.fields(Config):  # every number must be > 0 (`not > 0` also refuses NaN), but these
         value = getattr(cfg, f.name)
         if type(value) in (int, float) and f.name not in ("epochs", "weight_decay", "seed", "save_every") and not value > 0:
@@ -1210,10 +1187,9 @@ def first_line(error: Exception) -> str:
 
 
 def require_hub(what: str):
-    """One line, fast, when `what` must come from an unreachable Hub (its clients would retry for tens of seconds,
-    then raise a page-long traceback). With HF_HUB_OFFLINE=1 the loaders read the local cache instead."""
+    """One line, fast, if `what` must come from an unreachable Hub (its clients would retry, then print a traceback)."""
     if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return
+        return  # the loaders read the local cache
     endpoint = huggingface_hub.constants.ENDPOINT
     try:
         urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5)
@@ -1225,8 +1201,7 @@ def require_hub(what: str):
 
 
 def fail(message: str):
-    """A one-line error and exit status 2 instead of a traceback. Under torchrun every process meets the same bad
-    input and exits; rank 0 says why while the others wait a few seconds (torchrun stops all when one exits)."""
+    """One line and exit status 2, not a traceback; under torchrun rank 0 says it while the others wait to exit."""
     if os.environ.get("RANK", "0") == "0":
         print(f"dppo.py: error: {message}", file=sys.stderr)
     else:
