@@ -1,6 +1,5 @@
-"""dppo.py: RL post-training of a language model under a trust region, in one file: DPPO (Qi et al.,
-"Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is
-compared against, behind one flag.
+"""dppo.py: RL post-training of a language model under a trust region, in one file: DPPO (Qi et al., "Rethinking
+the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is compared against.
 
     python dppo.py                                     # offline demo: a built-in tiny model learns arithmetic on a CPU
     python dppo.py --objective topk_tv                 # the same under DPPO's top-K TV trust region
@@ -27,13 +26,10 @@ Simplifications:
     recomputed pi_old and keeps the ratio against mu through a rollout-correction weight on pi_old/mu (the paper's
     ablation; capped at 2 by default, so the paper's only while pi_old/mu <= 2). Top-K cells are mu's top-K ids.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
-  - No B x T x V logits tensor is kept: mu is recorded a decoding step at a time, and pi's output layer runs on a
-    chunk of positions at a time under activation checkpointing.
-  - On CUDA: fp32 weights and AdamW, bf16 forward passes (autocast; FSDP2's mixed precision under torchrun);
-    log-probs, ratios and losses always fp32. On CPU all is fp32.
-  - Under torchrun each process runs the whole loop on its share of a step; FSDP2 only (no tensor or pipeline
-    parallelism), so each holds the whole model while it generates. No vLLM: plain `generate`, from the policy or
-    (--sampler_dtype) a bf16/fp16 copy refreshed before every rollout, as an engine's: the mismatch on a switch.
+  - No B x T x V logits tensor: mu is recorded a step at a time, pi's output layer runs a chunk of positions at a time.
+  - On CUDA, bf16 forward passes over fp32 weights and AdamW (fp32 on CPU); log-probs, ratios and losses are fp32.
+  - torchrun: FSDP2 only; each process runs the loop on its share of a step, holding the whole model to generate.
+    No vLLM: `generate` from the policy or (--sampler_dtype) a bf16/fp16 copy refreshed every rollout, as an engine's.
   - The first (on-policy) update's loss is ~0 by construction (r = 1, advantages centred): watch reward and accuracy.
 """
 
@@ -121,8 +117,7 @@ class Config:
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
 
-# Defaults that belong to a method rather than to the run: DCPO (arXiv 2509.02333) is SAS advantages plus its
-# "only token mean" aggregation, and DPPO's KL variants (arXiv 2602.04879) use a smaller threshold than its TV ones.
+# A method's own defaults: DCPO (arXiv 2509.02333) is SAS plus "only token mean"; DPPO's KL variants, a smaller delta.
 OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
                       "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
                       "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
@@ -136,8 +131,7 @@ DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates
 # ============================================================================ one RL step
 
 
-def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems: list[dict], reward_history: dict,
-            cfg: Config) -> dict:
+def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg: Config) -> dict:
     """One RL step on this process's share of the step's prompts (see "processes"); its metrics over all processes."""
     rank, world = rank_and_world()
     indices = problem_batch(len(train_problems), cfg.prompts_per_step, cfg.seed, step)
@@ -237,10 +231,9 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
-        sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                                   repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
-                                   logits_processor=[recorder])
-    completion_ids = sequences[:, inputs.input_ids.shape[1]:]
+        completion_ids = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                                        repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
+                                        logits_processor=[recorder])[:, inputs.input_ids.shape[1]:]
     mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
     topk_ids, mu = recorder.finish(completion_ids)
     return Rollout(inputs.input_ids, inputs.attention_mask, completion_ids, mask, topk_ids, mu, old=mu,
@@ -291,13 +284,11 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
 
 
 def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
-    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): each prompt keeps the mean and std of its rewards
-    over all its visits, each visit weighted equally, in history[key] = (visits i, mean_tot, std_tot), updated in
-    place. On visit i, with the group's own mean_new and std_new (Bessel-corrected like GRPO):
+    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): history[key] = (visits i, mean_tot, std_tot) of
+    a prompt's rewards over its visits, equally weighted, updated in place; on visit i, the group's mean_new, std_new:
         A_new = (R - mean_new) / std_new          A_tot = (R - mean_tot) / std_tot       (0 where std = 0)
         SA_new = (i-1)/i * A_new + 1/i * A_tot    SA_tot = 1/i * A_new + (i-1)/i * A_tot
-        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot).
-    Visit 1 is GRPO without the eps; a later group with equal rewards gets A = (1/i) * A_tot, not 0."""
+        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot)."""
     advantages = []
     for key, R in zip(prompt_keys, rewards.view(-1, group_size)):
         mean_new, std_new = R.mean().item(), R.std().item()
@@ -343,9 +334,8 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
     """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
     times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
-        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
-        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
-    Returns the weight (B, T) and the real tokens it truncated or zeroed."""
+        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;   and the tokens it cut;
+        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high]."""
     real = mask.bool()
     log_w = torch.where(real, logp_old - logp_mu.clamp(min=LOG_EPS), 0.0)
     w = log_w.exp()
@@ -454,16 +444,14 @@ DIVERGENCES = {"binary_tv": lambda old, pi: binary_tv(old.logp, pi.logp),
 
 
 def pg_loss(logp, logp_old, advantages, is_cap=math.inf):
-    """No trust region: importance-weighted policy gradient, the DPPO paper's "PG-IS" control (arXiv 2602.04879):
-        l = -A * sg(min(r, C)) * log pi,   r = pi / mu,   C = is_cap (inf: no cap)
-    For r <= C its gradient is that of -A * r. Nothing is ever blocked."""
+    """No trust region, the DPPO paper's "PG-IS" control (arXiv 2602.04879); for r <= C, the gradient of -A * r:
+        l = -A * sg(min(r, C)) * log pi,   r = pi / mu,   C = is_cap (inf: no cap)"""
     ratio = torch.exp(logp - logp_old).detach()
     return -advantages * ratio.clamp(max=is_cap) * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip):
-    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds, with
-    dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729); blocked: where a clip binds (no gradient).
+    """PPO's clipped surrogate (arXiv 1707.06347, eq. 7) with dual-clip (arXiv 1912.09729); blocked: a clip binds.
         l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)"""
     ratio = torch.exp(logp - logp_old)
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
@@ -475,8 +463,7 @@ def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_cl
 
 def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0, relax="none", relax_below=0.1):
     """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high].
-    relax: the DPPO paper's relaxed clip (arXiv 2602.04879, section 6; Stable-RL's ppo_ablation_positive/negative/both):
-    a token with mu(a_t) < relax_below escapes the bound on the 'high' side (A > 0), the 'low' side (A < 0) or 'both'."""
+    relax (the DPPO paper's relaxed clip, its section 6): a token with mu(a_t) < relax_below escapes that bound."""
     ratio_low, ratio_high = 1 - clip_low, 1 + clip_high
     if relax != "none":
         rare = logp_old.detach().exp() < relax_below
@@ -486,8 +473,7 @@ def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual
 
 
 def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
-    """DCPO's token-specific ratio bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, with
-    q = mu(a_t). Rare tokens get room to grow; r_high is capped at r_max:
+    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = mu(a_t):
         r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
     ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
     ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
@@ -502,8 +488,7 @@ def dcpo_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, r_max=10
 
 def erc_loss(logp, logp_old, advantages, entropy_pi, entropy_old, clip_low=0.2, clip_high=0.28, dual_clip=10.0,
              beta_low=0.05, beta_high=0.05):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip: a hard gradient mask (masked tokens still count in the
-    aggregation), with rho = (H_pi + 1e-8) / (H_mu + 1e-8) of the full-vocabulary entropies (no gradient through rho):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip, rho = (H_pi + 1e-8) / (H_mu + 1e-8) without gradient:
         l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
     loss, clipped = ppo_clip_loss(logp, logp_old, advantages, clip_low, clip_high, dual_clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high)
@@ -516,18 +501,16 @@ def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
 
 
 def cispo_loss(logp, logp_old, advantages, clip_low=1.0, clip_high=4.0):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token:
-        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi
-    Nothing is blocked. Defaults: no lower bound (MiniMax-M1's eps_low "to a large value"), a cap of 5 (ScaleRL's)."""
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
+        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi"""
     weight = torch.exp(logp - logp_old).detach().clamp(1 - clip_low, 1 + clip_high)
     return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
-    """GSPO (arXiv 2507.18071, its GSPO-token form): one ratio per completion, the geometric mean of its tokens' ones,
+    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
         s_i = exp(mean_t log(pi / mu)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
-        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))
-    Blocked: every token of a completion whose clip binds. Defaults: the paper's eps and seq_mean_token_mean."""
+        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
     real = mask.bool()
     log_ratio = torch.where(real, logp - logp_old, 0.0)  # padding neither enters the mean nor can poison it
     log_s = log_ratio.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
@@ -538,10 +521,9 @@ def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
 
 
 def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the trust-region mask M (no gradient)
-    blocks a token only when it moves *away* from mu, p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t):
-        M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)
-    A token moving back toward mu is never blocked, however large D. For r <= C the gradient is that of -A * r * M."""
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the mask M blocks a token only when it
+    moves *away* from mu, never back however large D (p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t)):
+        M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)"""
     ratio = torch.exp(logp - logp_old).detach()
     blocked = dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high)
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
@@ -648,8 +630,7 @@ def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> t
 
 
 def autocast(model, precision: str):
-    """--precision bf16: bf16 matmuls over fp32 weights (no loss scaling needed), on CUDA or CPU; nothing in fp32, for
-    a sampler copy already in its dtype, or under FSDP2, whose mixed-precision policy casts the weights (see shard)."""
+    """bf16 matmuls over fp32 weights; not for a sampler copy in its own dtype, nor under FSDP2 (see shard)."""
     if in_bf16(precision, model.device) and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
         return torch.autocast(model.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -821,7 +802,6 @@ def main(argv=None) -> dict:
 
 # ==================================================================================================== plumbing
 # Everything below serves the loop above: data, model loading, torchrun processes, checkpoints, input checks.
-# ==================================================================================================== plumbing
 
 # ---------------------------------------------------------------------------- data
 # A problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format).
@@ -1209,10 +1189,8 @@ def fail(message: str):
     sys.exit(2)
 
 
-# ################################################################################################################
 # ============================================================================ appendix: the offline demo
 # GSM8K-shaped arithmetic problems and a tiny model warm-started on them; the exact full-vocabulary divergences.
-# ################################################################################################################
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
     ("+", "{n} has {a} {x}. {n} gets {b} more. How many {x} does {n} have now?"),
@@ -1231,13 +1209,9 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
     rng, problems = random.Random(seed), {}  # question -> problem, as first drawn
     while len(problems) < n_warmup + n_test + n_train:
         op, template = rng.choice(ARITHMETIC_TEMPLATES)
-        if op == "+":
-            a, b = rng.randint(1, 10), rng.randint(1, 10)
-        elif op == "-":
-            a = rng.randint(2, 20)
-            b = rng.randint(1, a - 1)
-        else:
-            a, b = rng.randint(2, 9), rng.randint(2, 9)
+        low, high = {"+": (1, 10), "-": (2, 20), "*": (2, 9)}[op]
+        a = rng.randint(low, high)
+        b = rng.randint(1, a - 1) if op == "-" else rng.randint(low, high)
         question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
         problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
