@@ -132,10 +132,9 @@ DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates
 
 
 def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg: Config) -> dict:
-    """One RL step on this process's share of the step's prompts (see "processes"); its metrics over all processes."""
     rank, world = rank_and_world()
     indices = problem_batch(len(train_problems), cfg.prompts_per_step, cfg.seed, step)
-    mine = indices[rank * len(indices) // world : (rank + 1) * len(indices) // world]
+    mine = indices[rank * len(indices) // world : (rank + 1) * len(indices) // world]  # this process's share
     problems = [train_problems[i] for i in mine for _ in range(cfg.samples_per_prompt)]
     clock = {}
     with measured("rollout", clock, model.device):
@@ -191,7 +190,6 @@ class SamplingRecorder(LogitsProcessor):
         self.pending = None
 
     def finish(self, completion_ids) -> tuple[torch.Tensor, LogProbs]:
-        """mu's top-K ids (B, T, K) and its LogProbs, for the T generated columns."""
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
             self.record_sampled(completion_ids[:, -1])
@@ -247,13 +245,11 @@ def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
-    """Each completion as text, up to and including its first EOS (which skip_special_tokens drops)."""
     lengths = mask.sum(1).long().tolist()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
 
 
-# A chat model gets one user turn through its own chat template: the question, then the "qwen-boxed" prompt of Qwen's
-# math evaluation (QwenLM/Qwen2.5-Math, evaluation/utils.py): zero-shot, one \boxed{} span for the reward to read.
+# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -412,8 +408,7 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
 
 def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
     """--objective's per-token loss; advantages (B, 1), mask (B, T). log mu >= log 1e-12 keeps r finite (0 * inf)."""
-    loss, _ = OBJECTIVES[cfg.objective]
-    return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
+    return OBJECTIVES[cfg.objective][0](pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
 
 
 def dppo_objective(pi, old, A, m, c):
@@ -436,7 +431,6 @@ OBJECTIVES = {
     "topk_kl": (dppo_objective, ("topk",)),
 }
 
-# DPPO's divergences between the anchor's distribution (mu) and pi's at each position, from the recorded log-probs.
 DIVERGENCES = {"binary_tv": lambda old, pi: binary_tv(old.logp, pi.logp),
                "binary_kl": lambda old, pi: binary_kl(old.logp, pi.logp),
                "topk_tv": lambda old, pi: topk_tv(old.topk_logp, pi.topk_logp),
@@ -535,9 +529,8 @@ def dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high):
            ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
 
 
-# DPPO's divergences (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the top-K ones, its appendix): TV or KL of
-# mu(.|s_t) and pi(.|s_t) *coarsened to a partition*: {a_t, the rest} (binary) or {mu's top-K ids, the rest} (top-K).
-# Coarsening never increases TV or KL, so binary <= top-K <= full: they can only block less. fp32, no gradient.
+# DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of mu(.|s_t), pi(.|s_t) coarsened to
+# {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them: binary <= top-K <= full. No gradient.
 
 LOG_EPS = math.log(1e-12)
 
@@ -760,11 +753,10 @@ def main(argv=None) -> dict:
     first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, None, {})
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)  # noqa: E731
-    # One JSON line per step and per evaluation, flushed as written: an interrupted run keeps every step it finished.
     with open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w") as metrics_file, \
             stop_on_ctrl_c() as stop_requested:
         log = lambda record: print(json.dumps({**record, "time/elapsed_s": time.time() - started}),  # noqa: E731
-                                   file=metrics_file, flush=True)
+                                   file=metrics_file, flush=True)  # an interrupted run keeps every finished step
         if initial_accuracy is None:
             initial_accuracy = evaluation()
             log({"step": 0, "eval/accuracy": initial_accuracy})
@@ -820,7 +812,6 @@ def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
 
 
 def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, held-out): the demo's, a JSONL file's (its last eval_n held out), a directory's, or a Hub dataset's."""
     if cfg.dataset == "arithmetic":
         sets = arithmetic_problems()
         return sets["train"], sets["test"]
@@ -900,13 +891,12 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
 
 
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
-    """A causal LM and its tokenizer; empty: built on the meta device, without weights (see fill_from_rank_0)."""
     try:
         tokenizer, config = AutoTokenizer.from_pretrained(name_or_path), AutoConfig.from_pretrained(name_or_path)
         for key, value in config.to_dict().items():  # dropout off: the update runs in train mode, where pi must be mu
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, 0.0)
-        if empty:
+        if empty:  # built on the meta device, without weights (see fill_from_rank_0)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with contextlib.suppress(OSError):  # the EOS ids, as from_pretrained reads them
@@ -920,12 +910,10 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     eos = model.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
     if not eos_ids:
-        fail(f"--model {name_or_path}: neither its tokenizer nor its generation config names an EOS token, "
-             "so no completion could ever end")
+        fail(f"--model {name_or_path}: neither its tokenizer nor its generation config names an EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # Only the EOS ids of the checkpoint's generation config: generate() would take every setting left unset from
-    # it (Qwen2.5 ships temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1).
+    # EOS ids only: generate() would take every unset setting from the checkpoint's (Qwen2.5: top_k 20, top_p 0.8, ...)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
     return model, tokenizer
 
@@ -963,8 +951,8 @@ def check_model_source(name_or_path: str):
 
 
 # ---------------------------------------------------------------------------- processes
-# Under torchrun, N processes share every RL step, each on P/N of its prompts; FSDP2 shards weights, gradients and
-# AdamW; global numbers (normalisers, rewards, metrics) are added up; rank 0 alone writes. Else all this is a no-op.
+# Under torchrun N processes share every step, each on P/N of its prompts, FSDP2-sharded; global numbers (normalisers,
+# rewards, metrics) are added up; rank 0 alone writes. Without torchrun all this is a no-op.
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -982,7 +970,6 @@ def set_up_device(name: str) -> torch.device:
 
 
 def shard(model, bf16=False):
-    """FSDP2 per decoder layer, then the root; with bf16 the weights stay fp32, compute is bf16, reduction fp32."""
     if not dist.is_initialized():
         return model
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
@@ -1221,7 +1208,6 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
-    """A byte-level BPE tokenizer (any string encodes) with distinct EOS and pad tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -1237,8 +1223,7 @@ TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so c
 
 
 def build_tiny_model(cache_dir: str) -> str:
-    """The demo's policy, built once into cache_dir: a 0.55M-parameter Qwen2 with a 451-token BPE vocabulary, warm-
-    started by supervised learning to about 30% dev accuracy, so that RL starts from partial competence."""
+    """The demo's policy, built once: a tiny Qwen2 warm-started to ~30% dev accuracy, so RL starts part-competent."""
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
@@ -1254,8 +1239,7 @@ def build_tiny_model(cache_dir: str) -> str:
                          tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits split one
-    # by one) from this vocabulary, so the model must learn on *its* token boundaries.
+    # Reload as users will: next to a qwen2 config, AutoTokenizer builds a Qwen2 tokenizer (digits split one by one).
     tokenizer = AutoTokenizer.from_pretrained(building)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
