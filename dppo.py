@@ -9,8 +9,7 @@ the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objec
 The algorithm in this file's names, in the order the file reads:
 
     for step in 1 .. steps:                                                         rl_step
-        sample G completions of each of P prompts, recording mu, the distribution   generate_rollout
-          each token was drawn from: log mu(a_t), mu's top-K (a_t always in it), its entropy
+        sample P prompts x G completions, recording mu: log mu(a_t), top-K, entropy  generate_rollout
         reward 1/0 for the right final answer                                        rewards.py
         advantages per group of G completions                                        grpo_advantages | sas_advantages
         [--recompute_old: the trust region's anchor becomes pi_old]                  recompute_anchor
@@ -22,9 +21,8 @@ The algorithm in this file's names, in the order the file reads:
         every eval_every steps: greedy held-out accuracy                             evaluate
 
 Simplifications:
-  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it to a
-    recomputed pi_old and keeps the ratio against mu through a rollout-correction weight on pi_old/mu (the paper's
-    ablation; capped at 2 by default, so the paper's only while pi_old/mu <= 2). Top-K cells are mu's top-K ids.
+  - The trust region is anchored to mu as sampled, as DPPO prescribes (top-K: mu's top-K ids); --recompute_old anchors
+    it to pi_old, the ratio staying against mu by a weight on pi_old/mu: the paper's ablation while pi_old/mu <= 2.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
   - No B x T x V logits tensor: mu is recorded a step at a time, pi's output layer runs a chunk of positions at a time.
   - On CUDA, bf16 forward passes over fp32 weights and AdamW (fp32 on CPU); log-probs, ratios and losses are fp32.
@@ -51,7 +49,8 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor  # noqa: E402
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,  # noqa: E402
+                          LogitsProcessor, PreTrainedTokenizerFast, Qwen2Config)
 
 from rewards import extract_answer, extract_gold, reward  # noqa: E402
 
@@ -350,7 +349,6 @@ def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, hi
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    """M optimizer steps, one per shuffled mini-batch, each on gradients accumulated a micro-batch at a time."""
     needs, mask = OBJECTIVES[cfg.objective][1], rollout.completion_mask
     stats, losses, grad_norms = TokenStats(), [], []
     correction = torch.ones_like(mask)
@@ -638,7 +636,6 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int, precision="auto") -> float:
-    """Greedy accuracy on problems (under torchrun each process answers every N-th and the counts add up)."""
     rank, world = rank_and_world()
     mine, correct = problems[rank::world], 0.0
     with full_weights(model), autocast(model, precision):
@@ -1209,7 +1206,6 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -1227,8 +1223,6 @@ def build_tiny_model(cache_dir: str) -> str:
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
-    from transformers import Qwen2Config
-
     print(f"building the tiny demo model in {path} (once)")
     torch.manual_seed(0)
     sets = arithmetic_problems()
