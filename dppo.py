@@ -103,8 +103,7 @@ class Config:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
     gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward of time")
-    precision: str = setting("auto", "'bf16': forward passes in bf16 over fp32 weights and AdamW; 'auto': bf16 on CUDA",
-                             choices=["auto", "bf16", "fp32"])
+    precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", choices=["auto", "bf16", "fp32"])
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
