@@ -1,6 +1,5 @@
-"""dppo.py: RL post-training of a language model under a trust region, in one file: DPPO (Qi et al.,
-"Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is
-compared against, behind one flag.
+"""dppo.py: RL post-training of a language model under a trust region, in one file: DPPO (Qi et al., "Rethinking
+the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is compared against.
 
     python dppo.py                                     # offline demo: a built-in tiny model learns arithmetic on a CPU
     python dppo.py --objective topk_tv                 # the same under DPPO's top-K TV trust region
@@ -10,8 +9,7 @@ compared against, behind one flag.
 The algorithm in this file's names, in the order the file reads:
 
     for step in 1 .. steps:                                                         rl_step
-        sample G completions of each of P prompts, recording mu, the distribution   generate_rollout
-          each token was drawn from: log mu(a_t), mu's top-K (a_t always in it), its entropy
+        sample P prompts x G completions, recording mu: log mu(a_t), top-K, entropy  generate_rollout
         reward 1/0 for the right final answer                                        rewards.py
         advantages per group of G completions                                        grpo_advantages | sas_advantages
         [--recompute_old: the trust region's anchor becomes pi_old]                  recompute_anchor
@@ -23,19 +21,13 @@ The algorithm in this file's names, in the order the file reads:
         every eval_every steps: greedy held-out accuracy                             evaluate
 
 Simplifications:
-  - The trust region is anchored to mu as recorded at sampling, as DPPO prescribes; --recompute_old anchors it to
-    a recomputed pi_old and keeps the importance ratio against mu through a rollout-correction weight on pi_old/mu
-    (the paper's ablation; truncated at 2 by default, so exactly the paper's only while pi_old/mu <= 2). The top-K
-    divergences always partition the vocabulary by mu's top-K ids.
+  - The trust region is anchored to mu as sampled, as DPPO prescribes (top-K: mu's top-K ids); --recompute_old anchors
+    it to pi_old, the ratio staying against mu by a weight on pi_old/mu: the paper's ablation while pi_old/mu <= 2.
   - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
-  - No B x T x V logits tensor is ever kept: mu is recorded one decoding step at a time, and pi's output layer
-    runs on a chunk of positions at a time under activation checkpointing.
-  - On CUDA, weights and AdamW are fp32 and forward passes bf16 (autocast; under torchrun FSDP2's mixed precision);
-    log-probs, ratios and losses are always fp32. On CPU all is fp32.
-  - Under torchrun each process runs the whole loop on its share of every step; FSDP2 only (no tensor or pipeline
-    parallelism), so each process holds the whole model while it generates. No vLLM: sampling is plain `generate`,
-    from the policy or (--sampler_dtype) from a bf16/fp16 copy refreshed before every rollout, as an inference
-    engine's would be: the training-inference mismatch on a switch.
+  - No B x T x V logits tensor: mu is recorded a step at a time, pi's output layer runs a chunk of positions at a time.
+  - On CUDA, bf16 forward passes over fp32 weights and AdamW (fp32 on CPU); log-probs, ratios and losses are fp32.
+  - torchrun: FSDP2 only; each process runs the loop on its share of a step, holding the whole model to generate.
+    No vLLM: `generate` from the policy or (--sampler_dtype) a bf16/fp16 copy refreshed every rollout, as an engine's.
   - The first (on-policy) update's loss is ~0 by construction (r = 1, advantages centred): watch reward and accuracy.
 """
 
@@ -57,7 +49,8 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor  # noqa: E402
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,  # noqa: E402
+                          LogitsProcessor, PreTrainedTokenizerFast, Qwen2Config)
 
 from rewards import extract_answer, extract_gold, reward  # noqa: E402
 
@@ -70,11 +63,9 @@ def setting(default, help, **argparse_kwargs):  # a Config field that is also a 
 
 @dataclasses.dataclass
 class Config:
-    # --- what to train, on what ---
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
     objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (the README maps each to its paper)")
-    # --- rollout: sampling from mu ---
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
@@ -82,20 +73,14 @@ class Config:
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (DPPO's top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from the policy or its copy in this dtype, as an inference engine",
                                  choices=["policy", "float32", "bfloat16", "float16"])
-    # --- advantages and loss aggregation (shared by every objective) ---
-    advantage: str = setting("grpo", "'grpo': group-standardised rewards; 'sas': DCPO's smooth advantage standardisation",
-                             choices=["grpo", "sas"])
-    scale_rewards: str = setting("group", "GRPO: 'group' divides by the group std, 'none' only centres (Dr. GRPO)",
-                                 choices=["group", "none"])
+    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", choices=["grpo", "sas"])
+    scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", choices=["group", "none"])
     loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
                             choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"])
-    skip_zero_advantage: bool = setting(False, "leave completions with A = 0 (under GRPO: the groups whose rewards are "
-                                               "all equal) out of the loss's normaliser")
-    # --- trust regions; each objective reads only its own ---
+    skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
     clip_low: float = setting(0.2, "ppo_clip, erc, gspo: ratio clipped below at 1 - eps_low (cispo: its weight); dcpo: eps_low")
     clip_high: float = setting(0.28, "ppo_clip, erc, gspo: ratio clipped above at 1 + eps_high (cispo: its weight); dcpo: eps_high")
-    relax_clip: str = setting("none", "ppo_clip: tokens with mu(a_t) < --relax_below escape the 'high' clip, the 'low' one or "
-                                      "'both' (the DPPO paper's relaxed-clip ablation)", choices=["none", "high", "low", "both"])
+    relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", choices=["none", "high", "low", "both"])
     relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
     dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
@@ -105,14 +90,11 @@ class Config:
     delta_high: float = setting(0.15, "binary_*/topk_*: a token with A > 0 whose probability rises is blocked when D > delta_high")
     is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
-    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu that keeps the ratio against mu: "
-                                             "'tis' min(w, cap); 'token_mis' 0 outside [low, high]; 'seq_mis' the same on "
-                                             "a completion's geometric-mean w; 'none' (ratio pi/pi_old)",
+    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu (see rollout_correction)",
                                       choices=["tis", "token_mis", "seq_mis", "none"])
     correction_cap: float = setting(2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
     correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop preset)")
     correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop preset)")
-    # --- optimisation ---
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
     updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (trust regions act from update 2)")
@@ -121,14 +103,10 @@ class Config:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
     gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward of time")
-    precision: str = setting("auto", "'bf16': forward passes in bf16 over fp32 weights and AdamW (autocast; FSDP2's mixed "
-                                     "precision under torchrun); 'fp32'; 'auto': bf16 on CUDA, fp32 on CPU",
-                             choices=["auto", "bf16", "fp32"])
-    # --- evaluation ---
+    precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", choices=["auto", "bf16", "fp32"])
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
-    # --- bookkeeping ---
     seed: int = setting(0, "seed for data order, sampling and initialisation")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
@@ -137,8 +115,7 @@ class Config:
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
 
-# Defaults that belong to a method rather than to the run: DCPO (arXiv 2509.02333) is SAS advantages plus its
-# "only token mean" aggregation, and DPPO's KL variants (arXiv 2602.04879) use a smaller threshold than its TV ones.
+# A method's own defaults: DCPO (arXiv 2509.02333) is SAS plus "only token mean"; DPPO's KL variants, a smaller delta.
 OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
                       "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
                       "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
@@ -152,12 +129,10 @@ DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates
 # ============================================================================ one RL step
 
 
-def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems: list[dict], reward_history: dict,
-            cfg: Config) -> dict:
-    """One RL step on this process's share of the step's prompts (see "processes"); its metrics over all processes."""
+def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg: Config) -> dict:
     rank, world = rank_and_world()
     indices = problem_batch(len(train_problems), cfg.prompts_per_step, cfg.seed, step)
-    mine = indices[rank * len(indices) // world : (rank + 1) * len(indices) // world]
+    mine = indices[rank * len(indices) // world : (rank + 1) * len(indices) // world]  # this process's share
     problems = [train_problems[i] for i in mine for _ in range(cfg.samples_per_prompt)]
     clock = {}
     with measured("rollout", clock, model.device):
@@ -182,9 +157,8 @@ class LogProbs(NamedTuple):
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu, the distribution generate() samples from, one decoding step at a time. A logits processor sees
-    the logits before the temperature warper, so mu = softmax(logits / T) (sampled with top_k=0, top_p=1). Step t's
-    token is known only at step t+1 (input_ids' last column): until then its logits (generate's own) are kept."""
+    """Records mu one decoding step at a time: a logits processor sees the logits before the temperature warper, so
+    mu = softmax(logits / T) (top_k=0, top_p=1). Step t's token is known only at step t+1 (input_ids' last column)."""
 
     def __init__(self, temperature: float, k: int):
         self.temperature, self.k = temperature, k
@@ -214,7 +188,6 @@ class SamplingRecorder(LogitsProcessor):
         self.pending = None
 
     def finish(self, completion_ids) -> tuple[torch.Tensor, LogProbs]:
-        """mu's top-K ids (B, T, K) and its LogProbs, for the T generated columns."""
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
             self.record_sampled(completion_ids[:, -1])
@@ -254,10 +227,9 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
-        sequences = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                                   repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
-                                   logits_processor=[recorder])
-    completion_ids = sequences[:, inputs.input_ids.shape[1]:]
+        completion_ids = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                                        repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
+                                        logits_processor=[recorder])[:, inputs.input_ids.shape[1]:]
     mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
     topk_ids, mu = recorder.finish(completion_ids)
     return Rollout(inputs.input_ids, inputs.attention_mask, completion_ids, mask, topk_ids, mu, old=mu,
@@ -271,13 +243,11 @@ def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
-    """Each completion as text, up to and including its first EOS (which skip_special_tokens drops)."""
     lengths = mask.sum(1).long().tolist()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
 
 
-# A chat model gets one user turn through its own chat template: the question, then the "qwen-boxed" prompt of Qwen's
-# math evaluation (QwenLM/Qwen2.5-Math, evaluation/utils.py): zero-shot, one \boxed{} span for the reward to read.
+# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -308,13 +278,11 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
 
 
 def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
-    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): each prompt keeps the mean and std of its rewards
-    over all its visits, each visit weighted equally, in history[key] = (visits i, mean_tot, std_tot), updated in
-    place. On visit i, with the group's own mean_new and std_new (Bessel-corrected like GRPO):
+    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): history[key] = (visits i, mean_tot, std_tot) of
+    a prompt's rewards over its visits, equally weighted, updated in place; on visit i, the group's mean_new, std_new:
         A_new = (R - mean_new) / std_new          A_tot = (R - mean_tot) / std_tot       (0 where std = 0)
         SA_new = (i-1)/i * A_new + 1/i * A_tot    SA_tot = 1/i * A_new + (i-1)/i * A_tot
-        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot).
-    Visit 1 is GRPO without the eps; a later group with equal rewards gets A = (1/i) * A_tot, not 0."""
+        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot)."""
     advantages = []
     for key, R in zip(prompt_keys, rewards.view(-1, group_size)):
         mean_new, std_new = R.mean().item(), R.std().item()
@@ -358,12 +326,10 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 
 @torch.no_grad()
 def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
-    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): the trust region measures
-    from pi_old, the importance weight stays against mu. A pi_old-anchored loss times this weight on w = pi_old / mu
-    (mode 'tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi, M from pi_old. As verl applies it:
-        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
-        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
-    Returns the weight (B, T) and the real tokens it truncated or zeroed."""
+    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
+    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
+        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;   and the tokens it cut;
+        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high]."""
     real = mask.bool()
     log_w = torch.where(real, logp_old - logp_mu.clamp(min=LOG_EPS), 0.0)
     w = log_w.exp()
@@ -382,7 +348,6 @@ def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, hi
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    """M optimizer steps, one per shuffled mini-batch, each on gradients accumulated a micro-batch at a time."""
     needs, mask = OBJECTIVES[cfg.objective][1], rollout.completion_mask
     stats, losses, grad_norms = TokenStats(), [], []
     correction = torch.ones_like(mask)
@@ -421,9 +386,8 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss, so micro-batches do not change the update; under
-    torchrun the counts are over all processes (a local count would weigh a token by its neighbours). A row of
-    zeros (--skip_zero_advantage) is left out of every count."""
+    """Per-token weights w with sum(w * l) = the mini-batch's loss, whatever the micro-batches; counts are over all
+    processes (a local count would weigh a token by its neighbours), and leave out rows of zeros."""
     if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
         return mask / max(all_processes([mask.sum()])[0], 1)
     completions = max(all_processes([(mask.sum(1) > 0).sum()])[0], 1)
@@ -435,24 +399,20 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
 
 
 # ============================================================================ objectives
-# Each objective is a per-token loss l_t to minimise, from fp32 log-probs: logp = log pi(a_t|s_t) with gradient,
-# logp_old = log of the anchor's probability of a_t (mu as sampled, or pi_old), the sequence's advantage A, and its
-# own thresholds. It returns (l, blocked): the tokens its trust region gives no gradient. No Config inside.
+# Each objective is a per-token loss l_t to minimise from fp32 logp = log pi(a_t|s_t) (with gradient), logp_old (the
+# anchor's: mu, or pi_old), the completion's A and its thresholds (no Config); it returns (l, blocked: no gradient).
 
 
 def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss for one micro-batch; advantages (B, 1), mask (B, T). A recorded log mu that
-    rounds to -inf counts as log 1e-12, so a ratio is at most p / 1e-12 instead of infinite (0 * inf = NaN)."""
-    loss, _ = OBJECTIVES[cfg.objective]
-    return loss(pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
+    """--objective's per-token loss; advantages (B, 1), mask (B, T). log mu >= log 1e-12 keeps r finite (0 * inf)."""
+    return OBJECTIVES[cfg.objective][0](pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
 
 
 def dppo_objective(pi, old, A, m, c):
     return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
 
 
-# --objective -> (its loss from pi's and the anchor's LogProbs, A, the mask and the Config; what pi's pass computes
-#                 besides logp)
+# --objective -> (its loss from pi's and the anchor's LogProbs, A, mask, Config; what pi's pass computes beside logp)
 OBJECTIVES = {
     "pg": (lambda pi, old, A, m, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
     "ppo_clip": (lambda pi, old, A, m, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip,
@@ -468,7 +428,6 @@ OBJECTIVES = {
     "topk_kl": (dppo_objective, ("topk",)),
 }
 
-# DPPO's divergences between the anchor's distribution (mu) and pi's at each position, from the recorded log-probs.
 DIVERGENCES = {"binary_tv": lambda old, pi: binary_tv(old.logp, pi.logp),
                "binary_kl": lambda old, pi: binary_kl(old.logp, pi.logp),
                "topk_tv": lambda old, pi: topk_tv(old.topk_logp, pi.topk_logp),
@@ -476,16 +435,14 @@ DIVERGENCES = {"binary_tv": lambda old, pi: binary_tv(old.logp, pi.logp),
 
 
 def pg_loss(logp, logp_old, advantages, is_cap=math.inf):
-    """No trust region: importance-weighted policy gradient, the DPPO paper's "PG-IS" control (arXiv 2602.04879):
-        l = -A * sg(min(r, C)) * log pi,   r = pi / mu,   C = is_cap (inf: no cap)
-    For r <= C its gradient is that of -A * r. Nothing is ever blocked."""
+    """No trust region, the DPPO paper's "PG-IS" control (arXiv 2602.04879); for r <= C, the gradient of -A * r:
+        l = -A * sg(min(r, C)) * log pi,   r = pi / mu,   C = is_cap (inf: no cap)"""
     ratio = torch.exp(logp - logp_old).detach()
     return -advantages * ratio.clamp(max=is_cap) * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip):
-    """PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) between any ratio bounds, with
-    dual-clip for A < 0 (Ye et al. 2020, arXiv 1912.09729); blocked: where a clip binds (no gradient).
+    """PPO's clipped surrogate (arXiv 1707.06347, eq. 7) with dual-clip (arXiv 1912.09729); blocked: a clip binds.
         l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)"""
     ratio = torch.exp(logp - logp_old)
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
@@ -497,8 +454,7 @@ def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_cl
 
 def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0, relax="none", relax_below=0.1):
     """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high].
-    relax: the DPPO paper's relaxed clip (arXiv 2602.04879, section 6; Stable-RL's ppo_ablation_positive/negative/both):
-    a token with mu(a_t) < relax_below escapes the bound on the 'high' side (A > 0), the 'low' side (A < 0) or 'both'."""
+    relax (the DPPO paper's relaxed clip, its section 6): a token with mu(a_t) < relax_below escapes that bound."""
     ratio_low, ratio_high = 1 - clip_low, 1 + clip_high
     if relax != "none":
         rare = logp_old.detach().exp() < relax_below
@@ -508,8 +464,7 @@ def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual
 
 
 def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
-    """DCPO's token-specific ratio bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, with
-    q = mu(a_t). Rare tokens get room to grow; r_high is capped at r_max:
+    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = mu(a_t):
         r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
     ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
     ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
@@ -524,8 +479,7 @@ def dcpo_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, r_max=10
 
 def erc_loss(logp, logp_old, advantages, entropy_pi, entropy_old, clip_low=0.2, clip_high=0.28, dual_clip=10.0,
              beta_low=0.05, beta_high=0.05):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip: a hard gradient mask (masked tokens still count in the
-    aggregation), with rho = (H_pi + 1e-8) / (H_mu + 1e-8) of the full-vocabulary entropies (no gradient through rho):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip, rho = (H_pi + 1e-8) / (H_mu + 1e-8) without gradient:
         l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
     loss, clipped = ppo_clip_loss(logp, logp_old, advantages, clip_low, clip_high, dual_clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high)
@@ -538,20 +492,16 @@ def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
 
 
 def cispo_loss(logp, logp_old, advantages, clip_low=1.0, clip_high=4.0):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token:
-        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi
-    Nothing is blocked. Defaults: no lower bound (eps_low = 1; MiniMax-M1 sets eps_low "to a large value"), a cap of
-    5 (eps_high = 4: ScaleRL's eps_max, arXiv 2510.13786). The DPPO paper's PG-TIS is pg with --is_cap 3 instead."""
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
+        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi"""
     weight = torch.exp(logp - logp_old).detach().clamp(1 - clip_low, 1 + clip_high)
     return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
-    """GSPO (arXiv 2507.18071, its GSPO-token form): one ratio per completion, the geometric mean of its tokens' ones,
+    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
         s_i = exp(mean_t log(pi / mu)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
-        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))
-    Blocked: every token of a completion whose clip binds. Defaults: the paper's eps 3e-4 / 4e-4 and its sequence-level
-    aggregation (seq_mean_token_mean). No clamp on log s (verl clamps at 10): log mu >= log 1e-12 keeps it finite."""
+        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
     real = mask.bool()
     log_ratio = torch.where(real, logp - logp_old, 0.0)  # padding neither enters the mean nor can poison it
     log_s = log_ratio.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
@@ -562,10 +512,9 @@ def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
 
 
 def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the trust-region mask M (no gradient)
-    blocks a token only when it moves *away* from mu, p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t):
-        M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)
-    A token moving back toward mu is never blocked, however large D. For r <= C the gradient is that of -A * r * M."""
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the mask M blocks a token only when it
+    moves *away* from mu, never back however large D (p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t)):
+        M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)"""
     ratio = torch.exp(logp - logp_old).detach()
     blocked = dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high)
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
@@ -577,10 +526,8 @@ def dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high):
            ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
 
 
-# DPPO's divergences (arXiv 2602.04879: binary TV and KL, eqs. 13-14; the top-K ones, its appendix) are the TV or KL
-# of mu(.|s_t) and pi(.|s_t) *coarsened to a partition* of the vocabulary: {sampled token, the rest} (binary) or {mu's
-# top-K tokens one by one, the rest} (top-K). Coarsening never increases TV or KL, so binary <= top-K <= full: the
-# approximations can only block less. In fp32, without gradient; probabilities clamped at 1e-12 keep them finite.
+# DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of mu(.|s_t), pi(.|s_t) coarsened to
+# {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them: binary <= top-K <= full. No gradient.
 
 LOG_EPS = math.log(1e-12)
 
@@ -628,8 +575,7 @@ def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ pi's log-probs
 
-# The training forward pass computes the output layer for at most this many positions x vocabulary entries at once:
-# 32 MiB of fp32 logits per temporary (55 positions at Qwen's 151,936 tokens), whatever the vocabulary.
+# pi's output layer runs on at most this many positions x vocabulary entries at once (32 MiB of fp32 logits).
 LOGITS_CHUNK_ELEMENTS = 2**23
 
 
@@ -674,8 +620,7 @@ def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> t
 
 
 def autocast(model, precision: str):
-    """--precision bf16: bf16 matmuls over fp32 weights (no loss scaling needed), on CUDA or CPU; nothing in fp32, for
-    a sampler copy already in its dtype, or under FSDP2, whose mixed-precision policy casts the weights (see shard)."""
+    """bf16 matmuls over fp32 weights; not for a sampler copy in its own dtype, nor under FSDP2 (see shard)."""
     if in_bf16(precision, model.device) and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
         return torch.autocast(model.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -690,7 +635,6 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int, precision="auto") -> float:
-    """Greedy accuracy on problems (under torchrun each process answers every N-th and the counts add up)."""
     rank, world = rank_and_world()
     mine, correct = problems[rank::world], 0.0
     with full_weights(model), autocast(model, precision):
@@ -711,8 +655,7 @@ RARE_TOKEN_MU, DIAGNOSTIC_TV_DELTA = 0.15, 0.15
 
 
 class TokenStats(dict):
-    """name -> (sum, count, max) of per-token values over a step's completion tokens, over all processes; a name
-    with "_frac" in it holds 0/1 values and is reported as their share, any other as its mean and max."""
+    """name -> (sum, count, max) over a step's tokens; reported as a share if "_frac" is in it, else as _mean, _max."""
 
     def add(self, name: str, values: torch.Tensor):
         total, count, largest = self.get(name, (0.0, 0, -math.inf))
@@ -730,8 +673,7 @@ class TokenStats(dict):
 
 @torch.no_grad()
 def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
-    """One micro-batch's per-token statistics, from pi, mu as sampled, the anchor and the blocked mask. |pi - mu|
-    on a step's first update is the sampler's numerics alone (pi is pi_old there): the training-inference mismatch."""
+    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
     m, A = mb.completion_mask.bool(), mb.advantages[:, None]
     p, q = pi.logp.exp(), mb.mu.logp.exp()
     for name, values in {"trust_region/blocked_frac": blocked & (A != 0), "trust_region/blocked_frac_pos_adv": blocked & (A > 0),
@@ -752,7 +694,6 @@ def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, b
 
 
 def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
-    """What the step's rollout was, and each phase's seconds, tokens per second and peak memory, over all processes."""
     mask, eos_ids = rollout.completion_mask, torch.tensor(model.generation_config.eos_token_id)
     completions, answers, tokens, truncated, entropy = all_processes([
         len(rollout.texts), sum(extract_answer(text) is not None for text in rollout.texts), mask.sum(),
@@ -771,7 +712,6 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
 
 @contextlib.contextmanager
 def measured(phase: str, clock: dict, device: torch.device):
-    """A phase's seconds and peak memory, into clock[phase]."""
     reset_peak_memory(device)
     started = time.time()
     yield
@@ -779,22 +719,18 @@ def measured(phase: str, clock: dict, device: torch.device):
 
 
 def reset_peak_memory(device: torch.device):
-    """Start measuring a peak: the CUDA allocator's, or on Linux the process's peak RSS (5 > /proc/self/clear_refs)."""
     if device.type == "cuda":
         return torch.cuda.reset_peak_memory_stats(device)
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the process's peak RSS (VmHWM)
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """The peak in MiB: tensors allocated on the GPU; on a CPU the process's peak RSS (NaN without Linux's /proc)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return math.nan
+    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
+    return math.nan
 
 
 # ============================================================================ main
@@ -810,15 +746,13 @@ def main(argv=None) -> dict:
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
-    # reward_history: --advantage sas's per-prompt reward statistics across visits
     first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, None, {})
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)  # noqa: E731
-    # One JSON line per step and per evaluation, flushed as written: an interrupted run keeps every step it finished.
     with open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w") as metrics_file, \
-            stop_on_ctrl_c():
+            stop_on_ctrl_c() as stop_requested:
         log = lambda record: print(json.dumps({**record, "time/elapsed_s": time.time() - started}),  # noqa: E731
-                                   file=metrics_file, flush=True)
+                                   file=metrics_file, flush=True)  # an interrupted run keeps every finished step
         if initial_accuracy is None:
             initial_accuracy = evaluation()
             log({"step": 0, "eval/accuracy": initial_accuracy})
@@ -838,7 +772,7 @@ def main(argv=None) -> dict:
             progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{accuracy:.2f}",
                                  blocked=f"{metrics['trust_region/blocked_frac']:.3f}", gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
                                  train_tok_s=f"{metrics['throughput/trained_tokens_per_s']:.0f}")
-            stop = all_processes([len(STOP_REQUESTED)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
+            stop = all_processes([len(stop_requested)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
@@ -856,18 +790,16 @@ def main(argv=None) -> dict:
 
 # ==================================================================================================== plumbing
 # Everything below serves the loop above: data, model loading, torchrun processes, checkpoints, input checks.
-# ==================================================================================================== plumbing
 
 # ---------------------------------------------------------------------------- data
 # A problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format).
 
 
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
-    """The training and held-out problems, once a --model that cannot load has been refused (no download first)."""
     if resume_from and not (resume_from / "training_state.pt").is_file():
         fail(f"--resume {cfg.resume}: no checkpoint there; a run writes one with --save_every N or on Ctrl-C")
     if cfg.model and not resume_from:
-        check_model_source(cfg.model)
+        check_model_source(cfg.model)  # a --model that cannot load is refused before the dataset downloads
     train_problems, held_out = load_problems(cfg)
     if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
         fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
@@ -876,8 +808,6 @@ def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
 
 
 def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) problems for --dataset: 'arithmetic' (the appendix's); a JSONL file (its last eval_n
-    held out); a directory (save_to_disk's, or train.jsonl + test.jsonl); a Hub name ('gsm8k': openai/gsm8k)."""
     if cfg.dataset == "arithmetic":
         sets = arithmetic_problems()
         return sets["train"], sets["test"]
@@ -905,7 +835,6 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Problems from a JSONL file: each non-blank line a JSON object with string fields question and answer."""
     if not path.is_file():  # in a dataset directory
         fail(f"--dataset {path.parent}: no {path.name} there (a dataset directory holds train.jsonl and test.jsonl)")
     problems = []
@@ -932,8 +861,7 @@ def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
 
 
 def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Step `step`'s problem indices (also DCPO's prompt keys): passes over the set, each in its own seeded
-    shuffle, so the data order is a function of (seed, step) and a resumed run sees what a whole one would."""
+    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
     epoch, position = divmod(step - 1, n_problems // batch_size)
     order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
     return order[position * batch_size : (position + 1) * batch_size]
@@ -943,7 +871,6 @@ def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> lis
 
 
 def load_model(cfg: Config, resume_from, device) -> tuple:
-    """The policy and its tokenizer (from the checkpoint to resume, --model, or the demo's), the sampler, and AdamW."""
     with torch.random.fork_rng(devices=[]):  # so a run samples the same whether or not the demo model was cached
         checkpoint = str(resume_from) if resume_from else cfg.model or build_tiny_model(cfg.cache_dir)
     sharded = dist.is_initialized()  # then the model is built empty and filled from rank 0, see fill_from_rank_0
@@ -960,17 +887,12 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
 
 
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
-    """A causal LM and its tokenizer, from the Hub or a directory. The checkpoint's generation_config.json (Qwen2.5
-    ships temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1) is replaced by a blank one that keeps only
-    its EOS ids, or generate() would fill every setting we leave unset from it. Dropout is off (every dropout
-    probability set to 0): the update runs in train mode, where pi must equal mu before the first step. empty: the
-    model is built on the meta device, without its weights (fill_from_rank_0 fills it)."""
     try:
         tokenizer, config = AutoTokenizer.from_pretrained(name_or_path), AutoConfig.from_pretrained(name_or_path)
-        for key, value in config.to_dict().items():
+        for key, value in config.to_dict().items():  # dropout off: the update runs in train mode, where pi must be mu
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, 0.0)
-        if empty:
+        if empty:  # built on the meta device, without weights (see fill_from_rank_0)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with contextlib.suppress(OSError):  # the EOS ids, as from_pretrained reads them
@@ -984,16 +906,15 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     eos = model.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
     if not eos_ids:
-        fail(f"--model {name_or_path}: neither its tokenizer nor its generation config names an EOS token, "
-             "so no completion could ever end")
+        fail(f"--model {name_or_path}: neither its tokenizer nor its generation config names an EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # EOS ids only: generate() would take every unset setting from the checkpoint's (Qwen2.5: top_k 20, top_p 0.8, ...)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
     return model, tokenizer
 
 
 def make_sampler(model, sampler_dtype: str):
-    """What rollouts sample from: the policy, or a copy in another dtype as an inference engine holds one."""
     if sampler_dtype == "policy":
         return model
     return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
@@ -1001,7 +922,6 @@ def make_sampler(model, sampler_dtype: str):
 
 @torch.no_grad()
 def refresh_sampler(sampler, model):
-    """The trained weights into the sampler copy, cast to its dtype (under torchrun gathered one tensor at a time)."""
     if sampler is not model:
         weights = sampler.state_dict()
         for name, value in model.state_dict().items():
@@ -1009,7 +929,6 @@ def refresh_sampler(sampler, model):
 
 
 def check_model_source(name_or_path: str):
-    """Refuse, before any download, a --model that cannot load: an incomplete directory, an unreachable Hub id."""
     local = Path(name_or_path).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -1021,15 +940,15 @@ def check_model_source(name_or_path: str):
         huggingface_hub.utils.validate_repo_id(name_or_path)
     except huggingface_hub.utils.HFValidationError:
         fail(f"--model {name_or_path}: no such directory")
-    if not huggingface_hub.constants.HF_HUB_OFFLINE:
-        require_hub(f"the model {name_or_path}")
-    elif not isinstance(huggingface_hub.try_to_load_from_cache(name_or_path, "config.json"), str):
+    require_hub(f"the model {name_or_path}")
+    cached = huggingface_hub.try_to_load_from_cache(name_or_path, "config.json")
+    if huggingface_hub.constants.HF_HUB_OFFLINE and not isinstance(cached, str):
         fail(not_in_offline_cache(f"--model {name_or_path}:", "a local model directory"))
 
 
 # ---------------------------------------------------------------------------- processes
-# Under torchrun, N processes share every RL step, each on P/N of its prompts; FSDP2 shards weights, gradients and
-# AdamW; global numbers (normalisers, rewards, metrics) are added up; rank 0 alone writes. Else all this is a no-op.
+# Under torchrun N processes share every step, each on P/N of its prompts, FSDP2-sharded; global numbers (normalisers,
+# rewards, metrics) are added up; rank 0 alone writes. Without torchrun all this is a no-op.
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -1037,7 +956,6 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def set_up_device(name: str) -> torch.device:
-    """The device; under torchrun also join the process group: NCCL, one GPU per process, or gloo on CPUs."""
     device = torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if "LOCAL_RANK" in os.environ:
         if device.type == "cuda":
@@ -1048,8 +966,6 @@ def set_up_device(name: str) -> torch.device:
 
 
 def shard(model, bf16=False):
-    """FSDP2 (fully_shard) per decoder layer, then the root: each process keeps 1/N of every parameter, gradient
-    and AdamW state. With bf16 (--precision) the weights stay fp32, compute runs in bf16, gradients reduce in fp32."""
     if not dist.is_initialized():
         return model
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
@@ -1063,14 +979,12 @@ def shard(model, bf16=False):
 
 
 def fill_from_rank_0(module, whole, device):
-    """Under torchrun only rank 0 reads the weights, into CPU memory (`whole`); every process has built `module` on
-    the meta device and sharded it. Allocate its share on `device` and fill it from rank 0, one tensor at a time:
-    the weights by broadcast through set_model_state_dict, then the buffers a state dict leaves out (RoPE's)."""
+    """Rank 0 alone has read the weights (`whole`, on CPU): fill every process's share of `module`, built on meta."""
     module.to_empty(device=device)
     if isinstance(module, FSDPModule):  # (a sampler copy gets its weights from refresh_sampler before each rollout)
         set_model_state_dict(module, whole.state_dict() if whole is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, buffer in module.named_buffers():
+    for name, buffer in module.named_buffers():  # what a state dict leaves out (RoPE's)
         if whole is not None:
             buffer.copy_(whole.get_buffer(name))
         dist.broadcast(buffer, src=0)
@@ -1078,8 +992,7 @@ def fill_from_rank_0(module, whole, device):
 
 @contextlib.contextmanager
 def full_weights(model):
-    """Whole weights for a generate call, gathered once (FSDP2 alone would gather them for every new token). All
-    processes enter together (the gathers are collective); inside, each generates as many tokens as it needs."""
+    """Whole weights for generate, gathered once (FSDP2 alone would gather them for every token); a collective."""
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     for unit in units:
         unit.unshard()
@@ -1093,7 +1006,6 @@ def full_weights(model):
 
 
 def all_processes(values: list, op=dist.ReduceOp.SUM) -> list[float]:
-    """Numbers added up (or reduced with op) over all processes: the numbers themselves in a single process."""
     if not dist.is_initialized():
         return [float(value) for value in values]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -1103,7 +1015,6 @@ def all_processes(values: list, op=dist.ReduceOp.SUM) -> list[float]:
 
 
 def gathered(items: list) -> list:
-    """Every process's list, concatenated in rank order: the list itself in a single process."""
     if not dist.is_initialized():
         return items
     lists = [None] * dist.get_world_size()
@@ -1115,7 +1026,6 @@ def gathered(items: list) -> list:
 
 
 def save_model(model, tokenizer, directory: Path):
-    """A save_pretrained directory of the whole model (under torchrun, every process's shards; rank 0 writes)."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank_and_world()[0] == 0:
         model.save_pretrained(directory, state_dict=weights)
@@ -1123,8 +1033,7 @@ def save_model(model, tokenizer, directory: Path):
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """All a run needs to go on as if uninterrupted, in <run_dir>/checkpoint: model, AdamW, step, SAS's history and
-    each process's torch random streams. Written aside, then renamed: a crash mid-write leaves the last one whole."""
+    """All a run needs to go on as if uninterrupted, written aside then renamed: a crash leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
     weights, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     random_states = gathered([{"torch": torch.get_rng_state(),
@@ -1142,9 +1051,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
-    """AdamW and the random streams; the next step, accuracy before training, SAS's history. A file cannot run code."""
     try:
-        state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+        state = torch.load(checkpoint / "training_state.pt", weights_only=True)  # a checkpoint cannot run code
     except pickle.UnpicklingError:
         fail(f"--resume: {checkpoint}/training_state.pt holds more than tensors and plain Python values; not loaded")
     rank, world = rank_and_world()
@@ -1157,22 +1065,20 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
     return state["step"] + 1, state["initial_accuracy"], state["reward_history"]
 
 
-STOP_REQUESTED = []  # set by Ctrl-C
-
-
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Within: Ctrl-C lets the step finish, then main saves a checkpoint and stops; a second Ctrl-C stops at once."""
+    """Yields a list that Ctrl-C makes non-empty (main then stops after the step); a second Ctrl-C stops at once."""
+    requested = []
+
     def stop_after_this_step(signum, frame):
-        if STOP_REQUESTED:
+        if requested:
             raise KeyboardInterrupt
-        STOP_REQUESTED.append(True)
+        requested.append(True)
         if rank_and_world()[0] == 0:
             print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
-    STOP_REQUESTED.clear()
     previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
     try:
-        yield
+        yield requested
     finally:
         signal.signal(signal.SIGINT, previous_handler)
 
@@ -1202,7 +1108,6 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    """Settings that cannot work are refused before anything is loaded (--topk once the model is)."""
     for f in dataclasses.fields(Config):  # every number must be > 0 (`not > 0` also refuses NaN), but these
         value = getattr(cfg, f.name)
         if type(value) in (int, float) and f.name not in ("epochs", "weight_decay", "seed", "save_every") and not value > 0:
@@ -1245,10 +1150,9 @@ def first_line(error: Exception) -> str:
 
 
 def require_hub(what: str):
-    """One line, fast, when `what` must come from an unreachable Hub (its clients would retry for tens of seconds,
-    then raise a page-long traceback). With HF_HUB_OFFLINE=1 the loaders read the local cache instead."""
+    """One line, fast, if `what` must come from an unreachable Hub (its clients would retry, then print a traceback)."""
     if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return
+        return  # the loaders read the local cache
     endpoint = huggingface_hub.constants.ENDPOINT
     try:
         urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5)
@@ -1260,8 +1164,7 @@ def require_hub(what: str):
 
 
 def fail(message: str):
-    """A one-line error and exit status 2 instead of a traceback. Under torchrun every process meets the same bad
-    input and exits; rank 0 says why while the others wait a few seconds (torchrun stops all when one exits)."""
+    """One line and exit status 2, not a traceback; under torchrun rank 0 says it while the others wait to exit."""
     if os.environ.get("RANK", "0") == "0":
         print(f"dppo.py: error: {message}", file=sys.stderr)
     else:
@@ -1269,10 +1172,8 @@ def fail(message: str):
     sys.exit(2)
 
 
-# ################################################################################################################
 # ============================================================================ appendix: the offline demo
 # GSM8K-shaped arithmetic problems and a tiny model warm-started on them; the exact full-vocabulary divergences.
-# ################################################################################################################
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
     ("+", "{n} has {a} {x}. {n} gets {b} more. How many {x} does {n} have now?"),
@@ -1291,13 +1192,9 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
     rng, problems = random.Random(seed), {}  # question -> problem, as first drawn
     while len(problems) < n_warmup + n_test + n_train:
         op, template = rng.choice(ARITHMETIC_TEMPLATES)
-        if op == "+":
-            a, b = rng.randint(1, 10), rng.randint(1, 10)
-        elif op == "-":
-            a = rng.randint(2, 20)
-            b = rng.randint(1, a - 1)
-        else:
-            a, b = rng.randint(2, 9), rng.randint(2, 9)
+        low, high = {"+": (1, 10), "-": (2, 20), "*": (2, 9)}[op]
+        a = rng.randint(low, high)
+        b = rng.randint(1, a - 1) if op == "-" else rng.randint(low, high)
         question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
         problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
@@ -1307,9 +1204,7 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
-    """A byte-level BPE tokenizer (any string encodes) with distinct EOS and pad tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -1323,13 +1218,10 @@ TINY_MODEL_VERSION = "tiny-qwen2-v1"  # bump when the recipe below changes, so c
 
 
 def build_tiny_model(cache_dir: str) -> str:
-    """The demo's policy, built once into cache_dir: a 0.55M-parameter Qwen2 with a 451-token BPE vocabulary, warm-
-    started by supervised learning to about 30% dev accuracy, so that RL starts from partial competence."""
+    """The demo's policy, built once: a tiny Qwen2 warm-started to ~30% dev accuracy, so RL starts part-competent."""
     path = Path(cache_dir).expanduser() / TINY_MODEL_VERSION
     if (path / "config.json").exists():
         return str(path)
-    from transformers import Qwen2Config
-
     print(f"building the tiny demo model in {path} (once)")
     torch.manual_seed(0)
     sets = arithmetic_problems()
@@ -1340,8 +1232,7 @@ def build_tiny_model(cache_dir: str) -> str:
                          tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    # Reload as users will: beside a qwen2 config.json, AutoTokenizer rebuilds a Qwen2 tokenizer (digits split one
-    # by one) from this vocabulary, so the model must learn on *its* token boundaries.
+    # Reload as users will: next to a qwen2 config, AutoTokenizer builds a Qwen2 tokenizer (digits split one by one).
     tokenizer = AutoTokenizer.from_pretrained(building)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
