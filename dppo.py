@@ -516,14 +516,9 @@ def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_
     moves *away* from mu, never back however large D (p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t)):
         M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)"""
     ratio = torch.exp(logp - logp_old).detach()
-    blocked = dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high)
+    blocked = ((advantages > 0) & (logp > logp_old) & (divergence > delta_high)) | \
+              ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
     return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
-
-
-def dppo_blocked(logp, logp_old, advantages, divergence, delta_low, delta_high):
-    """DPPO's 1 - M (see dppo_loss)."""
-    return ((advantages > 0) & (logp > logp_old) & (divergence > delta_high)) | \
-           ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
 
 
 # DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of mu(.|s_t), pi(.|s_t) coarsened to
@@ -685,7 +680,7 @@ def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, b
         ratio = (pi.logp - mb.old.logp).exp()
         stats.add("cispo/clipped_frac", ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))[m].float())
     if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        tv = dppo_blocked(pi.logp, mb.old.logp, A, binary_tv(mb.old.logp, pi.logp), DIAGNOSTIC_TV_DELTA, DIAGNOSTIC_TV_DELTA)
+        tv = dppo_loss(pi.logp, mb.old.logp, A, binary_tv(mb.old.logp, pi.logp), DIAGNOSTIC_TV_DELTA, DIAGNOSTIC_TV_DELTA)[1]
         stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv)[m].float())
     if cfg.objective == "erc":
         stats.add("erc/kept_frac", entropy_ratio_kept(pi.entropy, mb.old.entropy, cfg.erc_beta_low, cfg.erc_beta_high)[m].float())
