@@ -2764,7 +2764,7 @@ def sharded_load_checks(checkpoint, out):
     torch.distributed.destroy_process_group()
 
 
-def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_load(tmp_path):
+def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_load(tmp_path, monkeypatch):
     """Under torchrun only rank 0 reads the checkpoint (into CPU memory); the others build the model on the meta device,
     and each shard is filled by broadcast. The weights, RoPE's buffers and the EOS ids equal a whole load, and rank 1
     never holds a whole fp32 copy: 12 layers of 3.2M parameters (155 MiB), no tensor above 3 MiB."""
@@ -2773,6 +2773,7 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
     out = tmp_path / "results.pt"
     script = tmp_path / "checks.py"
     script.write_text(f"import test_dppo\ntest_dppo.sharded_load_checks({str(checkpoint)!r}, {str(out)!r})\n")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors go back to the system: RSS follows live ones
     result = torchrun(script)
     assert result.returncode == 0, result.stderr[-3000:]
     results = torch.load(out, weights_only=False)
