@@ -328,8 +328,9 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
 def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
     """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
     times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
-        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;   and the tokens it cut;
-        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high]."""
+        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
+        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
+    Returns the weight and the real tokens it truncated or zeroed."""
     real = mask.bool()
     log_w = torch.where(real, logp_old - logp_mu.clamp(min=LOG_EPS), 0.0)
     w = log_w.exp()
