@@ -28,7 +28,6 @@ Simplifications:
   - On CUDA, bf16 forward passes over fp32 weights and AdamW (fp32 on CPU); log-probs, ratios and losses are fp32.
   - torchrun: FSDP2 only; each process runs the loop on its share of a step, holding the whole model to generate.
     No vLLM: `generate` from the policy or (--sampler_dtype) a bf16/fp16 copy refreshed every rollout, as an engine's.
-  - The first (on-policy) update's loss is ~0 by construction (r = 1, advantages centred): watch reward and accuracy.
 """
 
 
@@ -119,8 +118,7 @@ class Config:
 OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
                       "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
                       "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
-                      "binary_kl": dict(delta_low=0.05, delta_high=0.05),
-                      "topk_kl": dict(delta_low=0.05, delta_high=0.05)}
+                      "binary_kl": dict(delta_low=0.05, delta_high=0.05), "topk_kl": dict(delta_low=0.05, delta_high=0.05)}
 
 # With no --model, the run is the offline CPU demo. These replace the single-GPU defaults above.
 DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates_per_step=2, micro_batch_size=128,
@@ -206,22 +204,19 @@ class Rollout:
     mu: LogProbs                   # as recorded while sampling
     old: LogProbs                  # the anchor: mu, or pi_old (recompute_anchor)
     texts: list[str]               # the completions as text, up to the first EOS
-    advantages: Optional[torch.Tensor] = None  # (B,)   set for the update
+    advantages: Optional[torch.Tensor] = None  # (B, 1) set for the update
     correction: Optional[torch.Tensor] = None  # (B, T) --recompute_old's rollout correction (else 1), set for the update
     weights: Optional[torch.Tensor] = None     # (B, T) the aggregation's token weights, set per mini-batch
 
     def rows(self, index: torch.Tensor) -> "Rollout":
-        """A subset of rows, without the columns that are padding in every one of them."""
-        first = int(self.prompt_mask[index].any(0).int().argmax())
+        first = int(self.prompt_mask[index].any(0).int().argmax())  # a subset of rows, less the columns padded in all
         T = int(self.completion_mask[index].sum(1).max())
         cut = lambda x: None if x is None else x[index, :T]  # noqa: E731  (every per-token tensor)
         return Rollout(self.prompt_ids[index, first:], self.prompt_mask[index, first:], cut(self.completion_ids),
-                       cut(self.completion_mask), cut(self.topk_ids), LogProbs(*map(cut, self.mu)),
-                       LogProbs(*map(cut, self.old)), [self.texts[i] for i in index],
-                       None if self.advantages is None else self.advantages[index], cut(self.correction), cut(self.weights))
+                       cut(self.completion_mask), cut(self.topk_ids), LogProbs(*map(cut, self.mu)), LogProbs(*map(cut, self.old)),
+                       [self.texts[i] for i in index], cut(self.advantages), cut(self.correction), cut(self.weights))
 
 
-@torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """One completion per prompt, recording mu; every sampling setting explicit, or a checkpoint's would change mu."""
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
@@ -237,13 +232,12 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
 
 
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
-    """1.0 up to and including the first EOS, 0.0 after it (generate() pads finished rows)."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
-    return (is_eos.cumsum(1) - is_eos == 0).float()  # no EOS strictly before
+    return (is_eos.cumsum(1) - is_eos == 0).float()  # 1.0 up to and including the first EOS (generate() pads after)
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
-    lengths = mask.sum(1).long().tolist()
+    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
 
 
@@ -259,8 +253,7 @@ def format_prompt(tokenizer, question: str) -> str:
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
-    """Left-padded, so that every completion starts in the same column."""
-    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",  # every completion starts in one column
                      add_special_tokens=not tokenizer.chat_template).to(device)
 
 
@@ -293,15 +286,13 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
         history[key] = (i, mean_tot, std_tot)
         A_new = (R - mean_new) / std_new if std_new > 0 else torch.zeros_like(R)
         A_tot = (R - mean_tot) / std_tot if std_tot > 0 else torch.zeros_like(R)
-        SA_new = (i - 1) / i * A_new + 1 / i * A_tot
-        SA_tot = 1 / i * A_new + (i - 1) / i * A_tot
+        SA_new, SA_tot = (i - 1) / i * A_new + 1 / i * A_tot, 1 / i * A_new + (i - 1) / i * A_tot
         advantages.append(torch.where(SA_new.abs() < SA_tot.abs(), SA_new, SA_tot))
     return torch.cat(advantages)
 
 
 def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
-    """All processes' rewards and the step's advantages (P x G, prompt order): SAS's history is the same everywhere."""
-    all_rewards = torch.tensor(gathered(rewards))
+    all_rewards = torch.tensor(gathered(rewards))  # every process's, in prompt order: SAS's history is the same everywhere
     if cfg.advantage == "sas":
         return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
     return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
@@ -316,9 +307,8 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.rows(rows)
-        with autocast(model, cfg.precision):
-            pi_old = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                     cfg.temperature, topk_ids=mb.topk_ids, with_entropy=True)
+        pi_old = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                 cfg.temperature, topk_ids=mb.topk_ids, with_entropy=True, precision=cfg.precision)
         for whole, part in zip(old, pi_old):
             whole[rows, : part.shape[1]] = part
     return dataclasses.replace(rollout, old=old)
@@ -358,19 +348,18 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         stats.add("rollout_correction/weight", correction[mask.bool()])
         stats.add("rollout_correction/flagged_frac", flagged[mask.bool()].float())
         stats.add("policy/abs_old_minus_mu", (rollout.old.logp.exp() - rollout.mu.logp.exp()).abs()[mask.bool()])
-    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device), correction=correction)
+    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device)[:, None], correction=correction)
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
     for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
         batch = rollout.rows(minibatch)
-        counted = batch.completion_mask * (batch.advantages != 0)[:, None] if cfg.skip_zero_advantage else batch.completion_mask
+        counted = batch.completion_mask * (batch.advantages != 0) if cfg.skip_zero_advantage else batch.completion_mask
         batch.weights = token_weights(counted, cfg.loss_agg, cfg.max_new_tokens) * batch.correction  # whole mini-batch
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for mb in (batch.rows(rows) for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size)):
-            with autocast(model, cfg.precision):
-                pi = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                     cfg.temperature, mb.topk_ids if "topk" in needs else None, "entropy" in needs)
-            token_loss, blocked = objective_loss(cfg, pi, mb.old, mb.advantages[:, None], mb.completion_mask)
+            pi = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                 cfg.temperature, mb.topk_ids if "topk" in needs else None, "entropy" in needs, cfg.precision)
+            token_loss, blocked = objective_loss(cfg, pi, mb.old, mb.advantages, mb.completion_mask)
             micro_loss = (token_loss * mb.weights).sum()
             micro_loss.backward()
             loss += micro_loss.item()
@@ -423,10 +412,8 @@ OBJECTIVES = {
                                               c.dual_clip, c.erc_beta_low, c.erc_beta_high), ("entropy",)),
     "cispo": (lambda pi, old, A, m, c: cispo_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high), ()),
     "gspo": (lambda pi, old, A, m, c: gspo_loss(pi.logp, old.logp, A, m, c.clip_low, c.clip_high), ()),
-    "binary_tv": (dppo_objective, ()),
-    "binary_kl": (dppo_objective, ()),
-    "topk_tv": (dppo_objective, ("topk",)),
-    "topk_kl": (dppo_objective, ("topk",)),
+    "binary_tv": (dppo_objective, ()), "binary_kl": (dppo_objective, ()),
+    "topk_tv": (dppo_objective, ("topk",)), "topk_kl": (dppo_objective, ("topk",)),
 }
 
 DIVERGENCES = {"binary_tv": lambda old, pi: binary_tv(old.logp, pi.logp),
@@ -448,8 +435,7 @@ def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_cl
     ratio = torch.exp(logp - logp_old)
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
-    clipped = ((advantages > 0) & (ratio > ratio_high)) | \
-              ((advantages < 0) & ((ratio < ratio_low) | (ratio > dual_clip)))
+    clipped = ((advantages > 0) & (ratio > ratio_high)) | ((advantages < 0) & ((ratio < ratio_low) | (ratio > dual_clip)))
     return loss, clipped
 
 
@@ -571,12 +557,11 @@ def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ pi's log-probs
 
-# pi's output layer runs on at most this many positions x vocabulary entries at once (32 MiB of fp32 logits).
-LOGITS_CHUNK_ELEMENTS = 2**23
+LOGITS_CHUNK_ELEMENTS = 2**23  # pi's output layer runs on at most this many positions x vocab entries at once (32 MiB)
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                    topk_ids=None, with_entropy=False) -> LogProbs:
+                    topk_ids=None, with_entropy=False, precision="fp32") -> LogProbs:
     """One teacher-forced pass: log pi(a_t | s_t) (B, T) in fp32 with gradient; without, log pi at topk_ids (B, T, K)
     and the entropy, if asked. The model's own forward makes no logits; its lm_head then runs a chunk at a time."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -584,16 +569,17 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
     (B, T), K = completion_ids.shape, topk_ids.shape[-1] if topk_ids is not None else 0
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=no_position, output_hidden_states=True).hidden_states[-1]  # after the final norm
-    hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)  # predict the last T
     topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
     lm_head = model.get_output_embeddings()
     n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
-    chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, lm_head, hidden[i : i + n], targets[i : i + n],
-                                                temperature, topk_ids[i : i + n] if topk_ids is not None else None,
-                                                with_entropy, use_reentrant=False)
-              for i in range(0, B * T, n)]
+    with autocast(model, precision):
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                       logits_to_keep=no_position, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)  # predict the last T
+        chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, lm_head, hidden[i : i + n], targets[i : i + n],
+                                                    temperature, topk_ids[i : i + n] if topk_ids is not None else None,
+                                                    with_entropy, use_reentrant=False)
+                  for i in range(0, B * T, n)]
     joined = lambda j, *shape: torch.cat([chunk[j] for chunk in chunks]).view(B, T, *shape)  # noqa: E731
     return LogProbs(joined(0), joined(1, K) if topk_ids is not None else None, joined(2) if with_entropy else None)
 
@@ -629,7 +615,6 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 # ============================================================================ evaluation
 
 
-@torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int, precision="auto") -> float:
     rank, world = rank_and_world()
     mine, correct = problems[rank::world], 0.0
@@ -637,8 +622,7 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
         for start in range(0, len(mine), batch_size):
             batch = mine[start : start + batch_size]
             inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
-            sequences = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-            completion_ids = sequences[:, inputs.input_ids.shape[1]:]
+            completion_ids = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)[:, inputs.input_ids.shape[1]:]
             texts = decode(tokenizer, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id))
             correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
     return all_processes([correct])[0] / len(problems)
@@ -660,7 +644,7 @@ class TokenStats(dict):
     def metrics(self) -> dict:
         names = sorted(self)
         totals = all_processes([self[name][0] for name in names] + [self[name][1] for name in names])
-        maxima = all_processes([self[name][2] for name in names], op=dist.ReduceOp.MAX)
+        maxima = all_processes([self[name][2] for name in names], op=max)
         means = {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}
         return {**{name: mean for name, mean in means.items() if "_frac" in name},
                 **{f"{name}_{stat}": value for name, maximum in zip(names, maxima) if "_frac" not in name
@@ -670,7 +654,7 @@ class TokenStats(dict):
 @torch.no_grad()
 def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
     """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
-    m, A = mb.completion_mask.bool(), mb.advantages[:, None]
+    m, A = mb.completion_mask.bool(), mb.advantages
     p, q = pi.logp.exp(), mb.mu.logp.exp()
     for name, values in {"trust_region/blocked_frac": blocked & (A != 0), "trust_region/blocked_frac_pos_adv": blocked & (A > 0),
                          "trust_region/blocked_frac_neg_adv": blocked & (A < 0), "policy/rare_token_frac": q < RARE_TOKEN_MU,
@@ -695,7 +679,7 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
         len(rollout.texts), sum(extract_answer(text) is not None for text in rollout.texts), mask.sum(),
         (~torch.isin(rollout.completion_ids, eos_ids.to(mask.device)).any(1)).sum(), (rollout.mu.entropy * mask).sum()])
     (rollout_s, rollout_mb), (update_s, update_mb) = clock["rollout"], clock["update"]
-    peaks = all_processes([rollout_mb, update_mb], op=dist.ReduceOp.MAX)  # the largest process's
+    peaks = all_processes([rollout_mb, update_mb], op=max)  # the largest process's
     return {"reward/mean": rewards.mean().item(),
             "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
             "reward/answer_found": answers / completions, "completion/length_mean": tokens / completions,
@@ -765,10 +749,9 @@ def main(argv=None) -> dict:
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluation()
                 log({"step": step, "eval/accuracy": accuracy})
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{accuracy:.2f}",
-                                 blocked=f"{metrics['trust_region/blocked_frac']:.3f}", gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
-                                 train_tok_s=f"{metrics['throughput/trained_tokens_per_s']:.0f}")
-            stop = all_processes([len(stop_requested)], op=dist.ReduceOp.MAX)[0] > 0  # Ctrl-C reached any process
+            progress.set_postfix(reward=metrics["reward/mean"], acc=accuracy, blocked=metrics["trust_region/blocked_frac"],
+                                 gen_tok_s=round(metrics["throughput/generated_tokens_per_s"]))
+            stop = all_processes([len(stop_requested)], op=max)[0] > 0  # Ctrl-C reached any process
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
@@ -785,10 +768,8 @@ def main(argv=None) -> dict:
 
 
 # ==================================================================================================== plumbing
-# Everything below serves the loop above: data, model loading, torchrun processes, checkpoints, input checks.
 
-# ---------------------------------------------------------------------------- data
-# A problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format).
+# -------- data: a problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format)
 
 
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
@@ -824,9 +805,8 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
     try:
         splits = load_dataset(name, config)
     except (ConnectionError, FileNotFoundError) as error:  # offline and not cached; or no such dataset on the Hub
-        if huggingface_hub.constants.HF_HUB_OFFLINE:
-            fail(not_in_offline_cache(f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local JSONL file or directory"))
-        fail(f"--dataset {cfg.dataset}: {first_line(error)}")
+        fail(not_in_offline_cache(f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local JSONL file or directory")
+             if huggingface_hub.constants.HF_HUB_OFFLINE else f"--dataset {cfg.dataset}: {first_line(error)}")
     return train_and_test(splits, cfg.dataset)
 
 
@@ -863,7 +843,7 @@ def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> lis
     return order[position * batch_size : (position + 1) * batch_size]
 
 
-# ---------------------------------------------------------------------------- model
+# -------- model
 
 
 def load_model(cfg: Config, resume_from, device) -> tuple:
@@ -911,9 +891,7 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
 
 
 def make_sampler(model, sampler_dtype: str):
-    if sampler_dtype == "policy":
-        return model
-    return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
+    return model if sampler_dtype == "policy" else copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -942,9 +920,8 @@ def check_model_source(name_or_path: str):
         fail(not_in_offline_cache(f"--model {name_or_path}:", "a local model directory"))
 
 
-# ---------------------------------------------------------------------------- processes
-# Under torchrun N processes share every step, each on P/N of its prompts, FSDP2-sharded; global numbers (normalisers,
-# rewards, metrics) are added up; rank 0 alone writes. Without torchrun all this is a no-op.
+# -------- processes: under torchrun N processes share every step, each on P/N of its prompts, FSDP2-sharded; global
+# numbers (normalisers, rewards, metrics) are added up; rank 0 alone writes. Without torchrun all this is a no-op.
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -1001,13 +978,9 @@ def full_weights(model):
             unit.set_reshard_after_forward(unit is not model, recurse=False)  # FSDP2 keeps the root gathered in training
 
 
-def all_processes(values: list, op=dist.ReduceOp.SUM) -> list[float]:
-    if not dist.is_initialized():
-        return [float(value) for value in values]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    totals = torch.tensor([float(value) for value in values], dtype=torch.float64, device=device)
-    dist.all_reduce(totals, op=op)
-    return totals.tolist()
+def all_processes(values: list, op=sum) -> list[float]:
+    """Each value added up over the processes (op=max: the largest one)."""
+    return [op(column) for column in zip(*gathered([[float(value) for value in values]]))]
 
 
 def gathered(items: list) -> list:
@@ -1018,7 +991,7 @@ def gathered(items: list) -> list:
     return [item for items_of_rank in lists for item in items_of_rank]
 
 
-# ---------------------------------------------------------------------------- checkpoints and stopping
+# -------- checkpoints and stopping
 
 
 def save_model(model, tokenizer, directory: Path):
@@ -1029,7 +1002,6 @@ def save_model(model, tokenizer, directory: Path):
 
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    """All a run needs to go on as if uninterrupted, written aside then renamed: a crash leaves the last one whole."""
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
     weights, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     random_states = gathered([{"torch": torch.get_rng_state(),
@@ -1042,7 +1014,7 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
                     "initial_accuracy": initial_accuracy, "random_states": random_states}, partial / "training_state.pt")
         if final.exists():
             final.rename(old)
-        partial.rename(final)
+        partial.rename(final)  # written aside, then renamed: a crash leaves the last checkpoint whole
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -1063,7 +1035,6 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
 
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Yields a list that Ctrl-C makes non-empty (main then stops after the step); a second Ctrl-C stops at once."""
     requested = []
 
     def stop_after_this_step(signum, frame):
@@ -1079,8 +1050,7 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous_handler)
 
 
-# ---------------------------------------------------------------------------- input checks
-# Bad input ends in one line on stderr and exit status 2 (see fail), before anything slow where possible.
+# -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow if possible
 
 
 def parse_config(argv=None) -> Config:
@@ -1104,10 +1074,10 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    for f in dataclasses.fields(Config):  # every number must be > 0 (`not > 0` also refuses NaN), but these
-        value = getattr(cfg, f.name)
-        if type(value) in (int, float) and f.name not in ("epochs", "weight_decay", "seed", "save_every") and not value > 0:
-            fail(f"--{f.name} must be > 0, got {value}")
+    for name, value in dataclasses.asdict(cfg).items():  # every number must be > 0 (`not > 0` also refuses NaN), but these
+        at_least_0 = name in ("epochs", "weight_decay", "save_every")
+        if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
+            fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
         fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.samples_per_prompt < 2:
@@ -1119,12 +1089,6 @@ def check_config(cfg: Config):
     if rollout_batch % cfg.updates_per_step:
         fail(f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of {cfg.prompts_per_step} x "
              f"{cfg.samples_per_prompt}{f' / {world} processes' if world > 1 else ''} = {rollout_batch} completions")
-    minibatch = rollout_batch // cfg.updates_per_step
-    if cfg.micro_batch_size < minibatch and minibatch % cfg.micro_batch_size:
-        fail(f"--micro_batch_size {cfg.micro_batch_size} does not divide the mini-batch of {minibatch} completions"
-             + (" per process" if world > 1 else ""))
-    if cfg.epochs < 0 or cfg.weight_decay < 0 or cfg.save_every < 0:
-        fail("--epochs, --weight_decay and --save_every must be >= 0")
 
 
 def writable_directory(path: Path) -> Path:
@@ -1160,11 +1124,10 @@ def require_hub(what: str):
 
 
 def fail(message: str):
-    """One line and exit status 2, not a traceback; under torchrun rank 0 says it while the others wait to exit."""
     if os.environ.get("RANK", "0") == "0":
         print(f"dppo.py: error: {message}", file=sys.stderr)
     else:
-        time.sleep(5)
+        time.sleep(5)  # under torchrun rank 0 says it, while the others wait to exit
     sys.exit(2)
 
 
@@ -1184,7 +1147,6 @@ NOUNS = ["apples", "pens", "cards", "books", "shells", "coins", "eggs", "stamps"
 
 
 def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> dict[str, list[dict]]:
-    """One-step word problems over small numbers in disjoint warm-up, test and train sets (a fixed seed)."""
     rng, problems = random.Random(seed), {}  # question -> problem, as first drawn
     while len(problems) < n_warmup + n_test + n_train:
         op, template = rng.choice(ARITHMETIC_TEMPLATES)
@@ -1194,9 +1156,8 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
         question = template.format(n=rng.choice(NAMES), x=rng.choice(NOUNS), a=a, b=b)
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
         problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
-    problems = list(problems.values())
-    return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test],
-            "train": problems[n_warmup + n_test :]}
+    problems = list(problems.values())  # one-step problems, each question once: the three sets are disjoint
+    return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test], "train": problems[n_warmup + n_test :]}
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
@@ -1228,8 +1189,7 @@ def build_tiny_model(cache_dir: str) -> str:
                          tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    # Reload as users will: next to a qwen2 config, AutoTokenizer builds a Qwen2 tokenizer (digits split one by one).
-    tokenizer = AutoTokenizer.from_pretrained(building)
+    tokenizer = AutoTokenizer.from_pretrained(building)  # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     warm_up(model, tokenizer, sets["warmup"][:-200], dev=sets["warmup"][-200:], target_accuracy=0.30)
@@ -1262,15 +1222,11 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
                 break
 
 
-@torch.no_grad()
 def full_tv(logits_mu, logits_pi):
-    """The exact TV over the whole vocabulary, from two logits tensors (for tests and teaching)."""
     return partition_tv(logits_mu.float().log_softmax(-1), logits_pi.float().log_softmax(-1))
 
 
-@torch.no_grad()
 def full_kl(logits_mu, logits_pi):
-    """The exact KL(mu || pi) over the whole vocabulary, from two logits tensors (for tests and teaching)."""
     return partition_kl(logits_mu.float().log_softmax(-1), logits_pi.float().log_softmax(-1))
 
 
