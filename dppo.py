@@ -31,7 +31,7 @@ Simplifications:
 """
 
 
-import argparse, contextlib, copy, dataclasses, json, math, os, pickle, random, shutil, signal  # noqa: E401
+import argparse, contextlib, copy, dataclasses, gc, json, math, os, pickle, random, shutil, signal  # noqa: E401
 import sys, tempfile, time, urllib.error, urllib.request, warnings  # noqa: E401
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -684,8 +684,7 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
             "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
             "reward/answer_found": answers / completions, "completion/length_mean": tokens / completions,
             "completion/truncated": truncated / completions, "policy/entropy_mu": entropy / tokens,
-            "advantage/nonzero_frac": (advantages != 0).float().mean().item(),  # DCPO's "response utilisation"
-            "time/rollout_s": rollout_s, "time/update_s": update_s,
+            "advantage/nonzero_frac": (advantages != 0).float().mean().item(), "time/rollout_s": rollout_s, "time/update_s": update_s,
             "throughput/generated_tokens_per_s": tokens / rollout_s, "throughput/trained_tokens_per_s": tokens / update_s,
             "memory/rollout_peak_mb": peaks[0], "memory/update_peak_mb": peaks[1]}
 
@@ -762,8 +761,6 @@ def main(argv=None) -> dict:
         print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
               f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
               f"metrics and model in {output_dir}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return {"initial_accuracy": initial_accuracy, "final_accuracy": accuracy}
 
 
@@ -1074,8 +1071,8 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    for name, value in dataclasses.asdict(cfg).items():  # every number must be > 0 (`not > 0` also refuses NaN), but these
-        at_least_0 = name in ("epochs", "weight_decay", "save_every")
+    for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
+        at_least_0 = name in ("epochs", "weight_decay", "save_every")  # and these >= 0
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
@@ -1232,3 +1229,6 @@ def full_kl(logits_mu, logits_pi):
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # once main's sharded model is collected, gloo's threads end while Python still runs
+        gc.collect()  # (at exit, they would free its tensors as the interpreter goes: SIGABRT, pytorch issue 190489)
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ import copy
 import ctypes
 import dataclasses
 import functools
+import gc
 import importlib.util
 import json
 import math
@@ -2543,6 +2544,7 @@ def distributed_checks(checkpoint, out):
         advantages.append(all_advantages)
     if rank == 0:
         torch.save({"results": results, "sas": advantages}, out)
+    gc.collect()  # as dppo.py does at its end: the sharded models go before the process group
     torch.distributed.destroy_process_group()
 
 
@@ -2767,6 +2769,8 @@ def sharded_load_checks(checkpoint, out):
                               "sampler_buffers": dict(bf16_sampler.named_buffers())}])
     if rank == 0:
         torch.save({"weights": weights, "buffers": buffers, "processes": results}, out)
+    del model, sampler, bf16_sampler
+    gc.collect()  # as dppo.py does at its end: the sharded model goes before the process group
     torch.distributed.destroy_process_group()
 
 
