@@ -209,7 +209,7 @@ class Rollout:
     weights: Optional[torch.Tensor] = None     # (B, T) the aggregation's token weights, set per mini-batch
 
     def rows(self, index: torch.Tensor) -> "Rollout":
-        first = int(self.prompt_mask[index].any(0).int().argmax())  # a subset of rows, less the columns padded in all
+        first = int(self.prompt_mask[index].any(0).int().argmax())  # these rows, less the columns padded in all of them
         T = int(self.completion_mask[index].sum(1).max())
         cut = lambda x: None if x is None else x[index, :T]  # noqa: E731  (every per-token tensor)
         return Rollout(self.prompt_ids[index, first:], self.prompt_mask[index, first:], cut(self.completion_ids),
