@@ -18,7 +18,7 @@ what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy
         M mini-batches, one AdamW step each, on                                     update_policy
           sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
           loss_t from log pi, the anchor and A:                                     objective_loss
-            pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | cispo_loss | gspo_loss
+            pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | cispo_loss | gspo_loss | drpo_loss | cppo_loss
             | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl          dppo_divergence
           log pi from one teacher-forced pass, the output layer in chunks           policy_logprobs
         every eval_every steps: greedy held-out accuracy                            evaluate
@@ -85,7 +85,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read when a tokenize
 
 # ============================================================================ config
 
-OBJECTIVES = ("pg", "ppo_clip", "dcpo", "erc", "cispo", "gspo", "binary_tv", "binary_kl", "topk_tv", "topk_kl")
+OBJECTIVES = "pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo".split()
 
 
 def setting(default, help, **argparse_kwargs):  # a Config field that is also a command-line flag
@@ -131,6 +131,12 @@ class Config:
     erc_beta_high: float = setting(0.05, "erc: ... and below 1 + beta_high")
     delta_low: float = setting(0.15, "DPPO: a token with A < 0 whose probability falls is blocked when D > delta_low")
     delta_high: float = setting(0.15, "DPPO: a token with A > 0 whose probability rises is blocked when D > delta_high")
+    drpo_delta: float = setting(12.5, "drpo: its penalty's delta; a token's gradient weight is 1 -+ |pi - mu| / delta")
+    cppo_delta: float = setting(0.15, "cppo: delta, the most a token's (position-weighted) |pi - mu| may move")
+    cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
+    cppo_delta_b_min: float = setting(
+        0.02, "cppo: delta_b, the budget per token, is within [delta_b_min, 2 delta_b_min]"
+    )
     is_cap: float = setting(
         math.inf, "pg, DPPO: cap C on the importance weight min(r, C); inf = off, as DPPO's authors"
     )
@@ -615,6 +621,19 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
         return cispo_loss(pi.logp, anchor.logp, advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     elif cfg.objective == "gspo":
         return gspo_loss(pi.logp, anchor.logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    elif cfg.objective == "drpo":
+        return drpo_loss(pi.logp, anchor.logp, advantages, delta=cfg.drpo_delta)
+    elif cfg.objective == "cppo":
+        return cppo_loss(
+            pi.logp,
+            anchor.logp,
+            advantages,
+            mask,
+            delta=cfg.cppo_delta,
+            w_min=cfg.cppo_w_min,
+            delta_b_min=cfg.cppo_delta_b_min,
+            is_cap=cfg.is_cap,
+        )
     elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
         return dppo_loss(
             pi.logp,
@@ -801,6 +820,53 @@ def partition_kl(logp_q: torch.Tensor, logp_p: torch.Tensor) -> torch.Tensor:
     return (logp_q.exp() * (logp_q - logp_p)).sum(-1)
 
 
+# DPPO's sequels (the DPPO authors' group, 2026; their code: Tencent-Hunyuan/UniRL, unirl/algorithms/drpo.py, cppo.py):
+# both keep binary TV against mu as sampled and change how a token that moves away from mu is treated.
+
+
+def drpo_loss(logp, logp_anchor, advantages, delta=12.5):
+    """DRPO (arXiv 2606.09821, section 3, eq. 8): DPPO's binary-TV mask becomes a smooth advantage-weighted quadratic
+    penalty on r = pi / anchor, gradient through r only (log r clamped to [-20, 20], as UniRL):
+        l = -A * r + |A| * mu * (r - 1)^2 / (2 delta),   mu = anchor(a_t)
+    Its gradient (eq. 9) is -A * r * w * grad log pi, w = drpo_weight: no token is cut; blocked: w <= 0."""
+    ratio = log_ratio(logp, logp_anchor).clamp(-20.0, 20.0).exp()
+    mu = logp_anchor.detach().clamp(min=LOG_EPS).exp()
+    loss = -advantages * ratio + advantages.abs() * mu * (ratio - 1) ** 2 / (2 * delta)
+    return loss, drpo_weight(logp, logp_anchor, advantages, delta) <= 0
+
+
+@torch.no_grad()
+def drpo_weight(logp, logp_anchor, advantages, delta=12.5):
+    """DRPO's gradient weight (its Table 1), w = 1 - sign(A (r - 1)) * |pi - mu| / delta: below 1 for a token moving
+    away from mu, negative past D = delta, above 1 for one moving back."""
+    moving_away = torch.sign(advantages * log_ratio(logp, logp_anchor))
+    return 1 - moving_away * binary_tv(logp_anchor.clamp(min=LOG_EPS), logp) / delta
+
+
+def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_b_min=0.02, is_cap=math.inf):
+    """CPPO (arXiv 2606.10968, eqs. 8-11 and Algorithm 1; delta_b: eq. 22): DPPO's binary-TV mask, stricter early in
+    a completion and with a budget on the divergence its prefix has spent. Per completion, over its own T real tokens
+    t = 1..T, D_t = |pi - anchor| of a_t (no gradient, fp32):
+        w_t = 1 - (1 - w_min) (t - 1) / (T - 1),   Z_t = w_t D_t,   S, W = sums of Z, w over the tokens before t
+        delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min),   c_t = min(delta, delta + delta_b W - S)
+        l = -A * sg(min(r, C)) * M * log pi,   M = 0 iff A (r - 1) > 0 (moving away) and Z_t > c_t"""
+    real = mask.detach() > 0
+    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())
+    with torch.no_grad():
+        T = real.sum(-1, keepdim=True)  # each completion's own length, its first EOS included
+        w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
+        D = binary_tv(logp_anchor.float().clamp(min=LOG_EPS), logp.float()) * real
+        Z = w * D
+        S = Z.cumsum(-1) - Z  # over the tokens before t, kept or blocked
+        W = w.cumsum(-1) - w
+        quantile = torch.nanquantile(torch.where(real, D, math.nan), 0.9, dim=-1, keepdim=True)  # linear, as UniRL
+        delta_b = quantile.clamp(delta_b_min, 2 * delta_b_min)
+        c = (delta + delta_b * W - S).clamp(max=delta)
+        blocked = real & (advantages * log_r > 0) & (Z > c)
+    ratio = log_r.exp().clamp(max=is_cap)
+    return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
+
+
 # ============================================================================ pi's log-probs
 
 LOGITS_CHUNK_ELEMENTS = 2**23  # pi's output layer runs on at most this many positions x vocab entries at once (32 MiB)
@@ -955,15 +1021,23 @@ def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, b
     if cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
         ratio = (pi.logp - mb.anchor.logp).exp()
         stats.add("cispo/clipped_frac", ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))[real].float())
+    moved_away = ((A > 0) & (pi.logp > mb.anchor.logp)) | ((A < 0) & (pi.logp < mb.anchor.logp))
+    tv = binary_tv(mb.anchor.logp, pi.logp)
     if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        moved_away = ((A > 0) & (pi.logp > mb.anchor.logp)) | ((A < 0) & (pi.logp < mb.anchor.logp))
-        tv_blocks = moved_away & (binary_tv(mb.anchor.logp, pi.logp) > DIAGNOSTIC_TV_DELTA)
+        tv_blocks = moved_away & (tv > DIAGNOSTIC_TV_DELTA)
         stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocks)[real].float())
     if cfg.objective == "erc":
         kept = entropy_ratio_kept(pi.entropy, mb.anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
         stats.add("erc/kept_frac", kept[real].float())
     if cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
         stats.add("trust_region/divergence", dppo_divergence(cfg.objective, mb.anchor, pi)[real])
+    if cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta
+        weight = drpo_weight(pi.logp, mb.anchor.logp, A, cfg.drpo_delta)
+        stats.add("drpo/weight", weight[real])
+        stats.add("drpo/nonpositive_weight_frac", (weight <= 0)[real].float())
+    if cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
+        tv_blocks = moved_away & (tv > cfg.cppo_delta)
+        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocks)[real].float())
 
 
 def add_correction_stats(stats: TokenStats, rollout: Rollout, correction, flagged):
@@ -1447,11 +1521,13 @@ def parse_config(argv=None) -> Config:
 
 def check_config(cfg: Config):
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
-        at_least_0 = name in ("epochs", "weight_decay", "save_every")  # and these >= 0
+        at_least_0 = name in ("epochs", "weight_decay", "save_every", "cppo_delta_b_min")  # and these >= 0
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
         fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
+    if cfg.cppo_w_min > 1:
+        fail(f"--cppo_w_min must be in (0, 1] (the position weight falls from 1 to it), got {cfg.cppo_w_min}")
     if cfg.samples_per_prompt < 2:
         fail(
             f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}"

@@ -2,7 +2,7 @@
 # Compare objectives: each objective x seed trains from the same model with the same budget, and the study
 # ends in a markdown table (mean ± std over seeds) and a figure of the curves of every run.
 #
-#   bash run_gsm8k.sh                                            # GSM8K, all ten objectives, Qwen2.5-0.5B-Instruct, one GPU
+#   bash run_gsm8k.sh                                            # GSM8K, all twelve objectives, Qwen2.5-0.5B-Instruct, one GPU
 #   bash run_gsm8k.sh --objectives "ppo_clip topk_tv" --steps 50 --model Qwen/Qwen2.5-1.5B-Instruct
 #   bash run_gsm8k.sh --dataset path/to/gsm8k                    # a local copy (JSONL files or save_to_disk)
 #   bash run_gsm8k.sh --seeds "0 1 2" -- --learning_rate 2e-6    # flags after -- go to every dppo.py run
@@ -12,7 +12,7 @@
 #   bash run_gsm8k.sh --help                                     # this text
 #
 # Options: --model M (default Qwen/Qwen2.5-0.5B-Instruct), --dataset D (default gsm8k), --objectives "A B ..."
-# (default all ten), --seeds "0 1 ..." (default 0), --steps N (on GSM8K default 100), --eval_n N, --out DIR, --demo,
+# (default all twelve), --seeds "0 1 ..." (default 0), --steps N (on GSM8K default 100), --eval_n N, --out DIR, --demo,
 # --smoke, --report, -h/--help; everything after -- goes to every dppo.py run.
 #
 # --demo runs `python dppo.py` as it is with no --model (the tiny model on all the arithmetic problems, the
@@ -28,7 +28,7 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # so the inline Python bel
 
 model=Qwen/Qwen2.5-0.5B-Instruct
 dataset=gsm8k
-objectives="pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl"
+objectives="pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo"
 seeds=0
 steps=
 eval_n=
@@ -174,7 +174,8 @@ for (title, key), ax in zip(panels, axes):
     for i, objective in enumerate(objectives):
         for j, seed in enumerate(seeds):
             points = [(r["step"], r[key]) for r in records[objective, seed] if key in r]
-            ax.plot(*zip(*points), color=f"C{i}", alpha=0.8, linewidth=1.2, label=objective if j == 0 else None)
+            ax.plot(*zip(*points), color=f"C{i % 10}", linestyle="-" if i < 10 else "--", alpha=0.8, linewidth=1.2,
+                    label=objective if j == 0 else None)  # ten colours, then dashed
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

@@ -15,6 +15,11 @@ save_pretrained and loaded back by path, as a user's checkpoint would be. What e
              the divergences by hand (KL with mu first), finite at 0 and 1, binary <= top-K <= full vocabulary,
              exact when the partition is; the mask's rows and thresholds by hand, moves back toward mu never
              blocked; the paper's recompute gradient (binary_tv); two processes = one; the README's snippet (topk_tv)
+  drpo       value and gradient by hand; its weight crossing zero at D = delta; moves back never blocked; the
+             gradient -A*r*w against a plain-Python reference of the paper's formula on random batches
+  cppo       its mask by hand on a completion whose early drift spends the budget; the quantile's interpolation;
+             = binary_tv without position weight and budget; T per completion, not the padded width; moves back
+             never blocked; mask and gradient against a plain-Python reference on random batches; two processes = one
   every one  thousands of extreme inputs stay finite; an anchor of -inf is clamped inside the function itself;
              objective_loss passes every flag to its place; the demo trains two steps (fp32, bf16, on a GPU)
 """
@@ -1164,6 +1169,10 @@ ASYMMETRIC_FLAGS = [
     "0.02",
     "--is_cap",
     "2.5",
+    "--drpo_delta",
+    "0.5",
+    "--cppo_delta",
+    "0.2",
 ]
 ASYMMETRIC_DELTAS = {
     "tv": ["--delta_low", "0.3", "--delta_high", "0.1"],
@@ -1177,9 +1186,10 @@ DISPATCH_CASES = {
         [
             (+1.0, 0.2, 0.6, None, -2.5, False),  # r = 3: weight min(3, C) = 2.5
             (-1.0, 0.2, 0.1, None, 0.5, False),  # r = 0.5
+            # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
             (+1.0, 0.0, 2e-12, None, -2.0, False),
         ],
-    ),  # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
+    ),
     "ppo_clip": (
         {},
         [  # r kept in [0.9, 1.3]; swapped eps [0.7, 1.1], default [0.8, 1.28]
@@ -1187,9 +1197,9 @@ DISPATCH_CASES = {
             (+1.0, 0.1, 0.14, -1.3, 0.0, True),  # r 1.4 > 1.3: loss -1.3 (swapped -1.1, default -1.28)
             (-1.0, 0.1, 0.08, 0.9, 0.0, True),  # r 0.8 < 0.9: loss 0.9 (swapped or default: inside, 0.8)
             (-1.0, 0.1, 0.40, 4.0, 4.0, False),  # r 4 < c = 5 (c = r_max 3 or C 2.5 would cap it)
-            (-1.0, 0.1, 0.60, 5.0, 0.0, True),
+            (-1.0, 0.1, 0.60, 5.0, 0.0, True),  # r 6 > c: dual clip, -A * c = 5 (default c: 6)
         ],
-    ),  # r 6 > c: dual clip, -A * c = 5 (default c: 6)
+    ),
     "dcpo": (
         {},
         [  # the bounds worked in the dcpo test above
@@ -1197,9 +1207,9 @@ DISPATCH_CASES = {
             (-1.0, 0.8, 0.64, 0.853553, 0.0, True),  # r 0.8 below 0.853553 (swapped or default eps: r_low 0.5)
             (+1.0, 0.02, 0.07, -3.0, 0.0, True),  # r 3.5 above r_max = 3 (r_max 5 or 10: inside 4.405125)
             (-1.0, 0.02, 0.08, 4.0, 4.0, False),  # r 4 < c = 5 (c = 3 would cap it)
-            (-1.0, 0.02, 0.12, 5.0, 0.0, True),
+            (-1.0, 0.02, 0.12, 5.0, 0.0, True),  # r 6 > c: -A * c = 5
         ],
-    ),  # r 6 > c: -A * c = 5
+    ),
     "cispo": (
         {},
         [  # weight clip(r, 0.9, 1.3), never blocked; its default [0, 5]
@@ -1207,9 +1217,9 @@ DISPATCH_CASES = {
             (+1.0, 0.1, 0.14, None, -1.3, False),  # r 1.4: weight 1.3 (swapped 1.1, default 1.4); ppo_clip blocks it
             (+1.0, 0.2, 0.10, None, -0.9, False),  # r 0.5: weight 0.9 for A > 0 too (swapped 0.7, default 0.5)
             (-1.0, 0.1, 0.08, None, 0.9, False),  # r 0.8: weight 0.9 (swapped or default: 0.8); ppo_clip blocks it
-            (-1.0, 0.1, 0.60, None, 1.3, False),
+            (-1.0, 0.1, 0.60, None, 1.3, False),  # r 6: weight 1.3 (no dual clip c = 5, no C = 2.5)
         ],
-    ),  # r 6: weight 1.3 (no dual clip c = 5, no C = 2.5)
+    ),
     "gspo": (
         {},
         [  # s = r kept in [0.9, 1.3], no dual clip; its default [0.9997, 1.0004]
@@ -1218,29 +1228,42 @@ DISPATCH_CASES = {
             (+1.0, 0.2, 0.10, -0.5, -0.5, False),  # A > 0, s 0.5: moving back, never clipped
             (-1.0, 0.1, 0.08, 0.9, 0.0, True),  # s 0.8 < 0.9: loss 0.9 (swapped: inside, 0.8)
             (-1.0, 0.1, 0.095, 0.95, 0.95, False),  # s 0.95: inside (the default 0.9997 would clip it)
-            (-1.0, 0.1, 0.60, 6.0, 6.0, False),
+            (-1.0, 0.1, 0.60, 6.0, 6.0, False),  # s 6: -A * s, no dual clip (ppo_clip's c = 5 caps it at 5)
         ],
-    ),  # s 6: -A * s, no dual clip (ppo_clip's c = 5 caps it at 5)
+    ),
     "erc": (
         dict(entropy_pi=[1.82, 1.78, 2.02, 2.06, 2.0, 2.0, 2.0, 2.0], entropy_anchor=2.0),
         [  # kept 0.9 < rho < 1.02
-            (
-                +1.0,
-                0.1,
-                0.11,
-                -1.1,
-                -1.1,
-                False,
-            ),  # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
+            # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
+            (+1.0, 0.1, 0.11, -1.1, -1.1, False),
             (+1.0, 0.1, 0.11, -1.1, 0.0, True),  # rho 0.89: outside
             (+1.0, 0.1, 0.11, -1.1, -1.1, False),  # rho 1.01: inside
             (+1.0, 0.1, 0.11, -1.1, 0.0, True),  # rho 1.03: outside (swapped or default: inside)
             (+1.0, 0.1, 0.14, -1.3, 0.0, True),  # rho 1; r 1.4 clipped by ppo_clip at 1.3
             (-1.0, 0.1, 0.08, 0.9, 0.0, True),  # rho 1; r 0.8 clipped at 0.9
             (-1.0, 0.1, 0.40, 4.0, 4.0, False),  # rho 1; r 4 < c = 5
-            (-1.0, 0.1, 0.60, 5.0, 0.0, True),
+            (-1.0, 0.1, 0.60, 5.0, 0.0, True),  # rho 1; r 6: dual clip
         ],
-    ),  # rho 1; r 6: dual clip
+    ),
+    "drpo": (
+        {},
+        # delta 0.5 (default 12.5); loss -A r + |A| q (r - 1)^2 / (2 delta), gradient -A r w, w = 1 -+ |p - q| / delta
+        [
+            (+1.0, 0.5, 0.6, -1.18, -0.96, False),  # r 1.2, away: -1.2 + 0.5 * 0.04 = -1.18, w 0.8 (default -1.1992)
+            (-1.0, 0.5, 0.1, 0.52, 0.04, False),  # r 0.2, away: 0.2 + 0.5 * 0.64 = 0.52, w 0.2
+            (+1.0, 0.2, 0.8, -2.2, 0.8, True),  # r 4 (no cap C), away: -4 + 0.2 * 9 = -2.2, w -0.2: reversed
+            (-1.0, 0.6, 0.9, 1.65, 2.4, False),  # r 1.5, back toward mu: 1.5 + 0.6 * 0.25 = 1.65, w 1.6
+        ],
+    ),
+    "cppo": (
+        {},
+        [  # one-token completions: w = 1, no budget spent, so c = delta = 0.2 (default 0.15)
+            (+1.0, 0.5, 0.68, None, -1.36, False),  # D 0.18 <= 0.2 (default 0.15: blocked)
+            (+1.0, 0.5, 0.72, None, 0.0, True),  # D 0.22 > 0.2
+            (-1.0, 0.5, 0.32, None, 0.64, False),  # D 0.18 <= 0.2
+            (-1.0, 0.2, 0.6, None, 2.5, False),  # back toward mu, never blocked; r 3, weight min(3, C) = 2.5
+        ],
+    ),
     # DPPO: mu's second top-K token 0.3; the last row of each moves back toward mu (never blocked) with r = 3: weight C.
     # In brackets, what the other family's divergence (binary for top-K, top-K for binary) or the reverse KL gives.
     "binary_tv": (
@@ -1256,45 +1279,21 @@ DISPATCH_CASES = {
     "topk_tv": (
         dict(other_mu=0.3, other_pi=[0.18, 0.26, 0.15, 0.2, 0.1]),
         [  # mu = (0.5, 0.3 | 0.2)
-            (
-                +1.0,
-                0.5,
-                0.55,
-                None,
-                0.0,
-                True,
-            ),  # pi (0.55, 0.18 | 0.27): (0.05 + 0.12 + 0.07) / 2 = 0.12 > 0.1 [binary 0.05]
+            # pi (0.55, 0.18 | 0.27): (0.05 + 0.12 + 0.07) / 2 = 0.12 > 0.1 [binary 0.05]
+            (+1.0, 0.5, 0.55, None, 0.0, True),
             (+1.0, 0.5, 0.55, None, -1.1, False),  # pi (0.55, 0.26 | 0.19): (0.05 + 0.04 + 0.01) / 2 = 0.05
-            (
-                -1.0,
-                0.5,
-                0.30,
-                None,
-                0.0,
-                True,
-            ),  # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
-            (
-                -1.0,
-                0.5,
-                0.40,
-                None,
-                0.8,
-                False,
-            ),  # pi (0.4, 0.2 | 0.4): (0.1 + 0.1 + 0.2) / 2 = 0.2 <= 0.3 (swapped, default: blocked)
+            # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
+            (-1.0, 0.5, 0.30, None, 0.0, True),
+            # pi (0.4, 0.2 | 0.4): (0.1 + 0.1 + 0.2) / 2 = 0.2 <= 0.3 (swapped, default: blocked)
+            (-1.0, 0.5, 0.40, None, 0.8, False),
             (-1.0, 0.2, 0.60, None, 2.5, False),
         ],
     ),
     "binary_kl": (
         dict(other_mu=0.3, other_pi=[0.3, 0.15, 0.3, 0.3, 0.1]),
         [  # D = 0.2 ln(0.2/p) + 0.8 ln(0.8/(1-p))
-            (
-                +1.0,
-                0.2,
-                0.33,
-                None,
-                0.0,
-                True,
-            ),  # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
+            # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
+            (+1.0, 0.2, 0.33, None, 0.0, True),
             (+1.0, 0.2, 0.25, None, -1.25, False),  # -0.044629 + 0.051631 = 0.007002 [top-2 0.072155: blocked]
             (-1.0, 0.2, 0.05, None, 0.0, True),  # 0.277259 - 0.137480 = 0.139779 > 0.12 [KL(pi || mu) 0.093943: kept]
             (-1.0, 0.2, 0.08, None, 0.4, False),  # 0.183258 - 0.111810 = 0.071449 <= 0.12 (swapped, default: blocked)
@@ -1304,31 +1303,13 @@ DISPATCH_CASES = {
     "topk_kl": (
         dict(other_mu=0.3, other_pi=[0.18, 0.28, 0.3, 0.3, 0.1]),
         [  # mu = (0.2, 0.3 | 0.5)
-            (
-                +1.0,
-                0.2,
-                0.25,
-                None,
-                0.0,
-                True,
-            ),  # pi (0.25, 0.18 | 0.57): -0.044629 + 0.153248 - 0.065514 = 0.043105 > 0.03 [binary 0.007002]
+            # pi (0.25, 0.18 | 0.57): -0.044629 + 0.153248 - 0.065514 = 0.043105 > 0.03 [binary 0.007002]
+            (+1.0, 0.2, 0.25, None, 0.0, True),
             (+1.0, 0.2, 0.25, None, -1.25, False),  # pi (0.25, 0.28 | 0.47): -0.044629 + 0.020698 + 0.030938 = 0.007007
-            (
-                -1.0,
-                0.2,
-                0.05,
-                None,
-                0.0,
-                True,
-            ),  # pi (0.05, 0.3 | 0.65): 0.277259 + 0 - 0.131182 = 0.146077 > 0.12 [KL(pi || mu) 0.101222]
-            (
-                -1.0,
-                0.2,
-                0.08,
-                None,
-                0.4,
-                False,
-            ),  # pi (0.08, 0.3 | 0.62): 0.183258 + 0 - 0.107556 = 0.075702 <= 0.12 (swapped, default: blocked)
+            # pi (0.05, 0.3 | 0.65): 0.277259 + 0 - 0.131182 = 0.146077 > 0.12 [KL(pi || mu) 0.101222]
+            (-1.0, 0.2, 0.05, None, 0.0, True),
+            # pi (0.08, 0.3 | 0.62): 0.183258 + 0 - 0.107556 = 0.075702 <= 0.12 (swapped, default: blocked)
+            (-1.0, 0.2, 0.08, None, 0.4, False),
             (-1.0, 0.2, 0.60, None, 2.5, False),
         ],
     ),
@@ -1342,7 +1323,10 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
     pi, anchor = objective_inputs(list(q), list(p), **inputs)
     deltas = ASYMMETRIC_DELTAS["kl" if objective.endswith("kl") else "tv"]
     cfg = dppo.parse_config(["--objective", objective, *ASYMMETRIC_FLAGS, *deltas])
-    one_token_each = lambda x: dppo.LogProbs(*(v.unsqueeze(1) for v in x))  # noqa: E731  (B, 1, ...): B completions
+
+    def one_token_each(x):  # (B, 1, ...): B completions of one token
+        return dppo.LogProbs(*(v.unsqueeze(1) for v in x))
+
     out, out_blocked = dppo.objective_loss(
         cfg, one_token_each(pi), one_token_each(anchor), torch.tensor(A)[:, None], torch.ones(len(A), 1)
     )
@@ -1353,6 +1337,354 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
     logp = pi.logp.detach().tolist()
     expected = torch.tensor([g * lp if value is None else value for value, g, lp in zip(loss, grad, logp)])
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- DPPO's sequels: DRPO and CPPO
+
+LOG_1E12 = math.log(1e-12)  # the anchor's floor, restated here so the references share nothing with dppo.py
+
+
+def grad_of(loss_fn, logp, *args, **kwargs):
+    """(per-token loss, blocked, d(sum of the loss)/d logp): with one token per loss term, the per-token gradient."""
+    logp = logp.detach().clone().requires_grad_(True)
+    loss, blocked = loss_fn(logp, *args, **kwargs)
+    loss.sum().backward()
+    return loss.detach(), blocked, logp.grad
+
+
+def log(*values):
+    return torch.tensor(values, dtype=torch.float64).log().float()
+
+
+# references written straight from SPEC section 5c, sharing no code with dppo.py
+
+
+def reference_drpo(logp, logp_anchor, advantages, delta):
+    """Per token: l = -A r + |A| mu (r - 1)^2 / (2 delta), r = exp(clamp(log pi - log mu, -20, 20)); its gradient
+    w.r.t. log pi is -A r w, w = 1 - sign(A (r - 1)) |pi - mu| / delta, and 0 where the clamp binds; blocked: w <= 0."""
+    losses, grads, weights = [], [], []
+    for lp_row, la_row, a in zip(logp.tolist(), logp_anchor.tolist(), advantages.flatten().tolist()):
+        loss_row, grad_row, weight_row = [], [], []
+        for lp, la in zip(lp_row, la_row):
+            la = max(la, LOG_1E12)
+            log_r = lp - la
+            r = math.exp(min(max(log_r, -20.0), 20.0))
+            mu, pi = math.exp(la), math.exp(lp)
+            sign = (a * (r - 1) > 0) - (a * (r - 1) < 0)
+            w = 1 - sign * abs(pi - mu) / delta
+            loss_row.append(-a * r + abs(a) * mu * (r - 1) ** 2 / (2 * delta))
+            grad_row.append(-a * r * w if -20.0 < log_r < 20.0 else 0.0)
+            weight_row.append(w)
+        losses.append(loss_row)
+        grads.append(grad_row)
+        weights.append(weight_row)
+    return (torch.tensor(x, dtype=torch.float64) for x in (losses, grads, weights))
+
+
+def quantile_linear(values, q):
+    """The q-quantile with linear interpolation between order statistics at q (n - 1) (numpy's and torch's default)."""
+    ranked = sorted(values)
+    at = q * (len(ranked) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ranked) - 1)
+    return ranked[low] + (at - low) * (ranked[high] - ranked[low])
+
+
+def reference_cppo(logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap=math.inf):
+    """Per completion over its T real tokens (right padding): D, w, Z, S, W, delta_b, c and M as SPEC writes them.
+    Returns blocked, the gradient of l = -A sg(min(r, C)) M log pi w.r.t. log pi, and each token's |Z - c|."""
+    blocked, grads, margins = [], [], []
+    rows = zip(logp.tolist(), logp_anchor.tolist(), advantages.flatten().tolist(), mask.tolist())
+    for lp_row, la_row, a, m_row in rows:
+        length = int(sum(m_row))
+        blocked_row, grad_row, margin_row = [False] * len(m_row), [0.0] * len(m_row), [math.inf] * len(m_row)
+        if length == 0:
+            blocked.append(blocked_row)
+            grads.append(grad_row)
+            margins.append(margin_row)
+            continue
+        la_row = [max(la, LOG_1E12) for la in la_row[:length]]
+        d = [abs(math.exp(lp) - math.exp(la)) for lp, la in zip(lp_row, la_row)]
+        delta_b = min(max(quantile_linear(d, 0.9), delta_b_min), 2 * delta_b_min)
+        spent = weight_before = 0.0
+        for t in range(1, length + 1):
+            w = 1 - (1 - w_min) * (t - 1) / (length - 1) if length > 1 else 1.0
+            z = w * d[t - 1]
+            c = min(delta, delta + delta_b * weight_before - spent)
+            r = math.exp(lp_row[t - 1] - la_row[t - 1])
+            blocked_row[t - 1] = a * (r - 1) > 0 and z > c
+            grad_row[t - 1] = 0.0 if blocked_row[t - 1] else -a * min(r, is_cap)
+            margin_row[t - 1] = abs(z - c)
+            spent += z
+            weight_before += w
+        blocked.append(blocked_row)
+        grads.append(grad_row)
+        margins.append(margin_row)
+    return torch.tensor(blocked), torch.tensor(grads, dtype=torch.float64), torch.tensor(margins, dtype=torch.float64)
+
+
+def random_batch(seed, batch=6, width=12):
+    """Binary-ish completions of random lengths (a full row, a 1-token row, an empty row), mu and pi apart by up to
+    ~0.3, garbage in the padding, advantages of both signs and one zero."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, width, (batch,), generator=g)
+    lengths[:3] = torch.tensor([width, 1, 0])[:batch]
+    mask = (torch.arange(width) < lengths[:, None]).float()
+    logit_mu = 2 * torch.randn(batch, width, generator=g)
+    logp_anchor = torch.nn.functional.logsigmoid(logit_mu)
+    logp = torch.nn.functional.logsigmoid(logit_mu + 0.8 * torch.randn(batch, width, generator=g))
+    padding = mask == 0
+    logp = torch.where(padding, 3 * torch.randn(batch, width, generator=g), logp)  # garbage, even log pi > 0
+    logp_anchor = torch.where(padding, -50 * torch.rand(batch, width, generator=g), logp_anchor)
+    advantages = torch.randn(batch, 1, generator=g)
+    advantages[3:4] = 0.0
+    return logp, logp_anchor, advantages, mask
+
+
+def test_drpo_value_and_gradient_by_hand():
+    delta = 0.5
+    logp = torch.tensor([[-0.9, math.log(0.3)], [math.log(0.1), math.log(0.9)]])
+    logp_anchor = torch.tensor([[-1.0, math.log(0.9)], [math.log(0.4), math.log(0.2)]])
+    advantages = torch.tensor([[1.0], [-2.0]])
+    # A = 1, mu = e^-1 = 0.367879, pi = e^-0.9 = 0.406570, r = e^0.1 = 1.105171, D = 0.038690 (away):
+    #   l = -1.105171 + 0.367879 * 0.105171^2 / 1 = -1.105171 + 0.004069 = -1.101102
+    #   w = 1 - 0.038690 / 0.5 = 0.922620,  grad = -A r w = -1.105171 * 0.922620 = -1.019652
+    # A = 1, mu = 0.9, pi = 0.3, r = 1/3, D = 0.6 (back toward mu):
+    #   l = -0.333333 + 0.9 * (2/3)^2 / 1 = -0.333333 + 0.4 = 0.066667
+    #   w = 1 + 0.6 / 0.5 = 2.2,  grad = -(1/3) * 2.2 = -0.733333
+    # A = -2, mu = 0.4, pi = 0.1, r = 0.25, D = 0.3 (away, A < 0 and pi < mu):
+    #   l = 2 * 0.25 + 2 * 0.4 * 0.75^2 / 1 = 0.5 + 0.45 = 0.95
+    #   w = 1 - 0.3 / 0.5 = 0.4,  grad = 2 * 0.25 * 0.4 = 0.2
+    # A = -2, mu = 0.2, pi = 0.9, r = 4.5, D = 0.7 > delta but back toward mu:
+    #   l = 2 * 4.5 + 2 * 0.2 * 3.5^2 / 1 = 9 + 4.9 = 13.9
+    #   w = 1 + 0.7 / 0.5 = 2.4,  grad = 2 * 4.5 * 2.4 = 21.6
+    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    torch.testing.assert_close(loss, torch.tensor([[-1.101102, 0.066667], [0.95, 13.9]]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, torch.tensor([[-1.019652, -0.733333], [0.2, 21.6]]), rtol=1e-5, atol=1e-5)
+    assert not blocked.any()
+
+
+def test_drpo_weight_crosses_zero_at_delta():
+    delta = 0.1
+    # mu = 0.5; pi = 0.599, 0.601 (A = 1) and 0.401, 0.399 (A = -1): D = 0.099, 0.101, moving away from mu.
+    #   D = 0.099: w = 1 - 0.99 = 0.01;   D = 0.101: w = 1 - 1.01 = -0.01 (blocked: gradient pushes back)
+    #   A = 1:  grad = -r w = -(0.599 / 0.5) * 0.01 = -0.01198  and  +(0.601 / 0.5) * 0.01 = +0.01202
+    #   A = -1: grad = +r w = (0.401 / 0.5) * 0.01 = 0.00802  and  -(0.399 / 0.5) * 0.01 = -0.00798
+    logp = torch.stack([log(0.599, 0.601), log(0.401, 0.399)])
+    logp_anchor = log(0.5, 0.5).expand(2, 2)
+    advantages = torch.tensor([[1.0], [-1.0]])
+    _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    assert blocked.tolist() == [[False, True], [False, True]]
+    torch.testing.assert_close(grad, torch.tensor([[-0.01198, 0.01202], [0.00802, -0.00798]]), rtol=0, atol=2e-6)
+
+
+def test_drpo_never_blocks_a_token_moving_back_toward_mu():
+    delta = 0.1  # small: D reaches 5 delta here
+    p = torch.tensor([0.001, 0.1, 0.3, 0.49])
+    logp = torch.stack([p.log(), (1 - p).log()])  # A > 0 with pi < mu, then A < 0 with pi > mu
+    logp_anchor = torch.full((2, 4), math.log(0.5))
+    advantages = torch.tensor([[1.0], [-1.0]])
+    _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    assert not blocked.any()
+    # boosted, never reversed: w = 1 + D / delta > 1, so grad = -A r w has the sign of -A and |grad| > r
+    ratio = (logp - logp_anchor).exp()
+    assert (grad[0] < -ratio[0]).all() and (grad[1] > ratio[1]).all()
+
+
+def test_drpo_a_zero_advantage_gives_no_loss_no_gradient_and_is_not_blocked():
+    logp, logp_anchor = log(0.1, 0.9, 0.5).expand(2, 3), log(0.9, 0.1, 0.5).expand(2, 3)
+    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, torch.zeros(2, 1), delta=0.1)
+    assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
+
+
+@pytest.mark.parametrize("delta", [12.5, 0.1])
+@pytest.mark.parametrize("seed", range(4))
+def test_drpo_gradient_is_minus_a_r_w_as_the_reference(seed, delta):
+    logp, logp_anchor, advantages, _ = random_batch(seed)
+    logp = logp.clamp(max=0)  # no mask in DRPO: keep the padding's garbage a probability
+    logp_anchor[4, :3] = torch.tensor([-30.0, -float("inf"), -25.0])  # log r beyond 20: the clamp binds, no gradient
+    logp[4, :3] = -0.1
+    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    ref_loss, ref_grad, ref_weight = reference_drpo(logp, logp_anchor, advantages, delta)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad.float(), rtol=1e-4, atol=1e-5)
+    clear = ref_weight.abs() > 1e-5  # leave out ties at w = 0 (none expected)
+    assert torch.equal(blocked[clear], (ref_weight <= 0)[clear])
+    if delta == 12.5:  # D <= 1, so at the paper's delta the weight stays within [1 - 1/12.5, 1 + 1/12.5]
+        assert not blocked.any() and ((ref_weight - 1).abs() <= 0.08 + 1e-9).all()
+    assert (grad[4, :3] == 0).all()
+
+
+def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
+    # One completion, T = 5, A = 1, mu = 0.5, pi = 0.64, 0.60, 0.45, 0.50, 0.52; delta 0.15, w_min 0.8, delta_b_min 0.02
+    #   D = 0.14, 0.10, 0.05 (back toward mu: pi < mu), 0 (pi = mu), 0.02
+    #   w = 1 - 0.2 (t - 1) / 4 = 1, 0.95, 0.90, 0.85, 0.80;  Z = w D = 0.14, 0.095, 0.045, 0, 0.016
+    #   S_{t-1} = 0, 0.14, 0.235, 0.28, 0.28;  W_{t-1} = 0, 1, 1.95, 2.85, 3.7
+    #   quantile_0.9: sorted D = 0, 0.02, 0.05, 0.10, 0.14, at 0.9 * 4 = 3.6: 0.10 + 0.6 * 0.04 = 0.124
+    #   delta_b = clamp(0.124, 0.02, 0.04) = 0.04
+    #   c = min(0.15, 0.15 + 0.04 W - S) = 0.15, 0.05, -0.007, -0.016, 0.018
+    #   t1: Z 0.14 <= 0.15 kept;  t2: Z 0.095 > 0.05 BLOCKED by the budget although Z <= delta (DPPO keeps it);
+    #   t3: Z 0.045 > -0.007 but moving back: kept;  t4: r = 1, A (r - 1) = 0: kept;  t5: Z 0.016 <= 0.018 kept
+    pi = log(0.64, 0.60, 0.45, 0.50, 0.52)[None]
+    mu = log(0.5, 0.5, 0.5, 0.5, 0.5)[None]
+    _, blocked, grad = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5))
+    assert blocked.tolist() == [[False, True, False, False, False]]
+    # kept tokens: grad = -A r = -pi / mu
+    torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))
+    # the same row inside a padded batch, beside a longer completion: unchanged
+    padded_pi = torch.cat([torch.cat([pi, torch.zeros(1, 3)], 1), log(*[0.9] * 8)[None]])
+    padded_mu = torch.cat([torch.cat([mu, torch.zeros(1, 3)], 1), log(*[0.3] * 8)[None]])
+    padded_mask = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 8])
+    _, padded_blocked, padded_grad = grad_of(dppo.cppo_loss, padded_pi, padded_mu, torch.ones(2, 1), padded_mask)
+    assert torch.equal(padded_blocked[0, :5], blocked[0]) and not padded_blocked[0, 5:].any()
+    torch.testing.assert_close(padded_grad[0], torch.cat([grad[0], torch.zeros(3)]))
+    # the upper clamp decides t2: with 2 delta_b_min = 0.10, delta_b = 0.10 and c2 = 0.15 + 0.10 - 0.14 = 0.11 >= 0.095
+    _, wider, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5), delta_b_min=0.05)
+    assert not wider.any()
+
+
+def test_cppo_quantile_interpolates_linearly_as_unirl():
+    # T = 4, w_min = 1 (w = 1), A = 1, mu = 0.5, D = 0.20, 0.14, 0.10, 0.02 (all away); delta 0.15, delta_b_min 0.10
+    #   sorted D = 0.02, 0.10, 0.14, 0.20; at 0.9 * 3 = 2.7: linear 0.14 + 0.7 * 0.06 = 0.182 (in [0.10, 0.20])
+    #   (rule "lower" would give 0.14, "higher" and "nearest" 0.20)
+    #   S_{t-1} = 0, 0.20, 0.34, 0.44;  c = min(0.15, 0.15 + delta_b (t - 1) - S_{t-1})
+    #   linear 0.182: c = 0.15, 0.132, 0.15, 0.15  -> blocked: t1 (0.20 > 0.15), t2 (0.14 > 0.132)
+    #   lower  0.14:  c = 0.15, 0.09, 0.09, 0.13   -> t1, t2, t3 (0.10 > 0.09)
+    #   higher 0.20:  c = 0.15, 0.15, 0.15, 0.15   -> t1 only
+    pi = log(0.70, 0.64, 0.60, 0.52)[None]
+    mu = log(0.5, 0.5, 0.5, 0.5)[None]
+    _, blocked, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 4), w_min=1.0, delta_b_min=0.10)
+    assert blocked.tolist() == [[True, True, False, False]]
+
+
+def test_cppo_reference_quantile_is_torch_quantile_default():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 5, 10, 37):
+        x = torch.rand(n, generator=g, dtype=torch.float64)
+        assert quantile_linear(x.tolist(), 0.9) == pytest.approx(torch.quantile(x, 0.9).item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("delta", [0.05, 0.15])
+@pytest.mark.parametrize("seed", range(4))
+def test_cppo_without_position_weight_and_budget_is_dppo_binary_tv(seed, delta):
+    logp, logp_anchor, advantages, mask = random_batch(seed, batch=8, width=16)
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask, delta, w_min=1.0, delta_b_min=1.0)
+    p, q, real = logp.exp(), logp_anchor.exp(), mask > 0
+    far = (p - q).abs() > delta
+    dppo_blocked = ((advantages > 0) & (p > q) & far) | ((advantages < 0) & (p < q) & far)
+    assert blocked.any() and torch.equal(blocked, dppo_blocked & real)
+    dppo_grad = -advantages * (logp - logp_anchor).exp() * (real & ~dppo_blocked)
+    torch.testing.assert_close(grad, dppo_grad)
+
+
+def test_cppo_uses_each_completions_own_length_not_the_padded_width():
+    logp, logp_anchor, advantages, _ = random_batch(7, batch=2, width=6)
+    mask = torch.tensor([[1.0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])  # a short completion and a long one
+    # short row: A = 1, mu = 0.5, pi = 0.5, 0.5, 0.68: D = 0, 0, 0.18 (the last moving away, D > delta = 0.15)
+    #   T = 3: w = 1, 0.9, 0.8;  quantile_0.9 of 0, 0, 0.18 at 1.8: 0 + 0.8 * 0.18 = 0.144 -> delta_b = 0.04
+    #   c3 = min(0.15, 0.15 + 0.04 * 1.9 - 0) = 0.15;  Z3 = 0.8 * 0.18 = 0.144 <= 0.15: kept
+    #   (over the padded width, w3 = 1 - 0.2 * 2/5 = 0.92 at 6 or 0.99 at 40, and Z3 = 0.166 or 0.178 is blocked)
+    logp[0, :3] = log(0.5, 0.5, 0.68)
+    logp_anchor[0, :3] = math.log(0.5)
+    advantages[0] = 1.0
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask)
+    assert not blocked[0].any() and (grad[0, 3:] == 0).all()
+    g = torch.Generator().manual_seed(1)
+    extra = 34
+    wide = (
+        torch.cat([logp, torch.randn(2, extra, generator=g)], 1),
+        torch.cat([logp_anchor, -torch.rand(2, extra, generator=g)], 1),
+        advantages,
+        torch.cat([mask, torch.zeros(2, extra)], 1),
+    )
+    _, wide_blocked, wide_grad = grad_of(dppo.cppo_loss, *wide)
+    assert wide_blocked.shape == (2, 40) and not wide_blocked[:, 6:].any() and (wide_grad[:, 6:] == 0).all()
+    assert torch.equal(wide_blocked[:, :6], blocked) and torch.equal(wide_grad[:, :6], grad)
+
+
+def test_cppo_never_blocks_a_token_moving_back_toward_mu():
+    p = torch.tensor([0.001, 0.1, 0.3, 0.49, 0.5])  # the last: pi = mu exactly
+    logp = torch.stack([p.log(), (1 - p).log()])  # A > 0 with pi <= mu, then A < 0 with pi >= mu
+    logp_anchor = torch.full((2, 5), math.log(0.5))
+    advantages = torch.tensor([[1.0], [-1.0]])
+    # delta and budget as tight as they go: every c_t <= 0.01, every Z_t up to 0.5
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, torch.ones(2, 5), 0.01, 0.5, 1e-4)
+    assert not blocked.any()
+    torch.testing.assert_close(grad, -advantages * (logp - logp_anchor).exp())
+
+
+def test_cppo_a_one_token_completion_has_weight_one():
+    # T = 1: w = 1, so Z = D against delta = 0.15 (w_min = 0.8 would give 0.8 * 0.16 = 0.128 and keep it)
+    # T = 2: w = 1, 0.8: the last token's Z = 0.8 * 0.18 = 0.144 <= c = min(0.15, 0.15 + delta_b * 1 - 0) = 0.15, kept
+    logp = torch.stack([log(0.66, 0.5), log(0.64, 0.5), log(0.5, 0.68)])
+    logp_anchor = torch.full((3, 2), math.log(0.5))
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    _, blocked, _ = grad_of(dppo.cppo_loss, logp, logp_anchor, torch.ones(3, 1), mask)
+    assert blocked.tolist() == [[True, False], [False, False], [False, False]]
+
+
+@pytest.mark.parametrize("delta, w_min, delta_b_min", [(0.15, 0.8, 0.02), (0.1, 0.5, 0.1), (0.2, 0.8, 0.05)])
+@pytest.mark.parametrize("seed", range(5))
+def test_cppo_mask_and_gradient_as_the_reference(seed, delta, w_min, delta_b_min):
+    logp, logp_anchor, advantages, mask = random_batch(seed, batch=8, width=16)
+    logp_anchor[5, 1] = -float("inf")  # mu = 0 on a real token
+    is_cap = 3.0 if seed % 2 else math.inf
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap)
+    ref_blocked, ref_grad, margin = reference_cppo(
+        logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap
+    )
+    clear = margin > 1e-5  # leave out ties Z = c, where fp32 and float64 may round apart (none expected)
+    assert clear.float().mean() > 0.99
+    assert torch.equal(blocked[clear], ref_blocked[clear])
+    torch.testing.assert_close(grad[clear], ref_grad[clear].float())
+    assert ref_blocked.any() and (~ref_blocked & (mask > 0)).any()
+
+
+def test_cppo_an_empty_completion_gives_finite_zeros():
+    logp, logp_anchor, advantages, _ = random_batch(3, batch=2, width=5)
+    loss, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, torch.zeros(2, 5))
+    assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
+
+
+# ============================================================================ both: awkward inputs
+
+
+def cppo_all_real(logp, logp_anchor, advantages, **kwargs):
+    return dppo.cppo_loss(logp, logp_anchor, advantages, torch.ones_like(logp), **kwargs)
+
+
+@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
+def test_drpo_cppo_minus_inf_anchor_equals_the_clamped_anchor(loss_fn):
+    logp, logp_anchor, advantages, _ = random_batch(11)
+    logp = logp.clamp(max=0)
+    logp_anchor[:, ::3] = -float("inf")
+    loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
+    clamped = grad_of(loss_fn, logp, logp_anchor.clamp(min=LOG_1E12), advantages)
+    assert loss.isfinite().all() and grad.isfinite().all()
+    assert torch.equal(loss, clamped[0]) and torch.equal(blocked, clamped[1]) and torch.equal(grad, clamped[2])
+
+
+@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
+def test_drpo_cppo_probabilities_at_zero_and_one(loss_fn):
+    # p, q in {1 (log 0), 0 (log -200 underflows exp to 0; log -inf for mu)} and in between, both advantage signs
+    values = [0.0, -1e-8, -0.7, -200.0]
+    pairs = [(lp, la) for lp in values for la in values + [-float("inf")]]
+    logp = torch.tensor([[lp for lp, _ in pairs]] * 2)
+    logp_anchor = torch.tensor([[la for _, la in pairs]] * 2)
+    loss, _, grad = grad_of(loss_fn, logp, logp_anchor, torch.tensor([[1.0], [-1.0]]))
+    assert loss.isfinite().all() and grad.isfinite().all()
+
+
+@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
+def test_drpo_cppo_bf16_inputs(loss_fn):
+    logp, logp_anchor, advantages, _ = random_batch(5)
+    logp, logp_anchor = logp.clamp(max=0).bfloat16(), logp_anchor.bfloat16()
+    loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
+    rounded = grad_of(loss_fn, logp.float(), logp_anchor.float(), advantages)
+    assert loss.isfinite().all() and grad.isfinite().all()
+    assert rounded[0].isfinite().all() and rounded[2].isfinite().all()
+    if loss_fn is cppo_all_real:  # the mask is computed in fp32: bf16 tensors and their fp32 copies agree
+        assert torch.equal(blocked, rounded[1])
 
 
 # ---------------------------------------------------------------------------- DCPO's smooth advantages
@@ -1526,6 +1858,7 @@ def test_gradient_is_the_same_for_1_4_or_3_uneven_micro_batches(tiny_policy, obj
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
     # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
     cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
+    cfg = dataclasses.replace(cfg, drpo_delta=1e-3, cppo_delta=1e-5)
     if objective == "gspo":  # its own eps 3e-4 / 4e-4: a completion's mean ratio stays inside ppo_clip's bounds
         cfg = dataclasses.replace(cfg, clip_low=3e-4, clip_high=4e-4)
     whole, metrics = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
@@ -2088,7 +2421,10 @@ def qwen25_tokenizer():
         for token, rank in (line.split() for line in ranks_file.read_text().splitlines() if line)
     }
     alphabet = byte_level_alphabet()
-    as_text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
+
+    def as_text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
     vocab = {as_text(token): rank for token, rank in ranks.items()}
     vocab.update({"<|endoftext|>": QWEN_ENDOFTEXT, "<|im_start|>": QWEN_IM_START, "<|im_end|>": QWEN_IM_END})
     tokenizer = Qwen2Tokenizer(
@@ -2727,6 +3063,11 @@ def one_line_exit_2(argv, capsys) -> str:
         (["--eval_batch_size", "-1"], "--eval_batch_size must be > 0"),
         (["--epochs", "-1"], "--epochs must be >= 0, got -1"),
         (["--weight_decay", "nan"], "--weight_decay must be >= 0"),
+        (["--objective", "drpo", "--drpo_delta", "0"], "--drpo_delta must be > 0"),
+        (["--objective", "cppo", "--cppo_delta", "-0.1"], "--cppo_delta must be > 0"),
+        (["--objective", "cppo", "--cppo_w_min", "1.2"], "--cppo_w_min must be in (0, 1]"),
+        (["--objective", "cppo", "--cppo_w_min", "0"], "--cppo_w_min must be > 0"),
+        (["--objective", "cppo", "--cppo_delta_b_min", "-0.01"], "--cppo_delta_b_min must be >= 0"),
     ],
 )
 def test_bad_settings_fail_in_one_line_before_anything_is_loaded(flags, says, capsys, monkeypatch):
@@ -3271,6 +3612,8 @@ EQUIVALENCE_CASES = [
 ]
 # GSPO's per-completion mean ratio never crosses a process boundary: a completion lives on one process.
 EQUIVALENCE_CASES += [("gspo", "seq_mean_token_mean")]
+# Nor do CPPO's position weights and budget; seq_sum_norm is the aggregation both sequels' papers train with.
+EQUIVALENCE_CASES += [("drpo", "token_mean"), ("cppo", "seq_sum_norm")]
 BF16_EQUIVALENCE_CASES = [("ppo_clip", "token_mean", "bf16"), ("topk_tv", "seq_sum", "bf16")]
 BF16_UPDATE_TOLERANCE = 0.05  # of the update's own size, per weight tensor: measured at most 1.9%
 BF16_LOGP_TOLERANCE = 1e-2  # |log mu - log pi| in bf16: about 1 bf16 step of the logits, max 2e-3 in 4 seeds
@@ -3323,6 +3666,7 @@ def one_update(checkpoint, objective: str, loss_agg: str, precision="fp32") -> t
         micro_batch_size=2,
         max_grad_norm=1e9,
         precision=precision,
+        drpo_delta=0.1,  # at its 12.5 no weight reaches 0: this small, some tokens' gradients reverse
     )
     metrics = dppo.update_policy(
         model, torch.optim.SGD(model.parameters(), lr=1.0), rollout.select(mine).trimmed(), advantages[mine], cfg
@@ -3667,7 +4011,10 @@ def sharded_load_checks(checkpoint, out):
     """Run under torchrun by the test below: load_model as main does, and what it cost each process."""
     dppo.set_up_device("cpu")
     rank, world = dppo.rank_and_world()
-    rss = lambda: next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))  # noqa: E731
+
+    def rss():
+        return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
     dppo.reset_peak_memory(torch.device("cpu"))
     before = rss()
     model, tokenizer, sampler, _ = dppo.load_model(config(model=str(checkpoint)), None, torch.device("cpu"))
