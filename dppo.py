@@ -52,6 +52,7 @@ import urllib.error
 import urllib.request
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import huggingface_hub.constants
@@ -450,17 +451,7 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
     pi_old = LogProbs(*(x.clone() for x in rollout.mu))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.select(rows).trimmed()
-        part = policy_logprobs(
-            model,
-            mb.prompt_ids,
-            mb.prompt_mask,
-            mb.completion_ids,
-            mb.completion_mask,
-            cfg.temperature,
-            topk_ids=mb.topk_ids,
-            with_entropy=True,
-            precision=cfg.precision,
-        )
+        part = policy_logprobs(model, mb, cfg.temperature, with_topk=True, with_entropy=True, precision=cfg.precision)
         for whole, piece in zip(pi_old, part):
             whole[rows, : piece.shape[1]] = piece
     return dataclasses.replace(rollout, anchor=pi_old)
@@ -523,17 +514,7 @@ def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, 
         loss = 0.0
         for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size):
             mb = batch.select(rows).trimmed()
-            pi = policy_logprobs(
-                model,
-                mb.prompt_ids,
-                mb.prompt_mask,
-                mb.completion_ids,
-                mb.completion_mask,
-                cfg.temperature,
-                topk_ids=mb.topk_ids if needs_topk else None,
-                with_entropy=needs_entropy,
-                precision=cfg.precision,
-            )
+            pi = policy_logprobs(model, mb, cfg.temperature, needs_topk, needs_entropy, cfg.precision)
             token_loss, blocked = objective_loss(cfg, pi, mb.anchor, mb.advantages, mb.completion_mask)
             micro_loss = (token_loss * mb.weights).sum()
             micro_loss.backward()
@@ -872,29 +853,20 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
 LOGITS_CHUNK_ELEMENTS = 2**23  # pi's output layer runs on at most this many positions x vocab entries at once (32 MiB)
 
 
-def policy_logprobs(
-    model,
-    prompt_ids,
-    prompt_mask,
-    completion_ids,
-    completion_mask,
-    temperature,
-    topk_ids=None,
-    with_entropy=False,
-    precision="fp32",
-) -> LogProbs:
-    """One teacher-forced pass: log pi(a_t | s_t) (B, T) in fp32 with gradient; without, log pi at topk_ids (B, T, K)
-    and the entropy, if asked. The model's own forward makes no logits; its lm_head then runs a chunk at a time."""
-    B, T = completion_ids.shape
-    K = topk_ids.shape[-1] if topk_ids is not None else 0
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+def policy_logprobs(model, batch, temperature, with_topk=False, with_entropy=False, precision="fp32") -> LogProbs:
+    """One teacher-forced pass over a batch's prompts and completions (a Rollout's fields): log pi(a_t | s_t) (B, T) in
+    fp32 with gradient; without, log pi at mu's top-K ids (B, T, K) and the entropy, if asked. The model's own forward
+    makes no logits; its lm_head then runs a chunk of positions at a time."""
+    B, T = batch.completion_ids.shape
+    K = batch.topk_ids.shape[-1] if with_topk else 0
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
     no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
     lm_head = model.get_output_embeddings()
     n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
-    targets = completion_ids.reshape(B * T)
-    topk_ids = topk_ids.reshape(B * T, K) if topk_ids is not None else None
+    targets = batch.completion_ids.reshape(B * T)
+    topk_ids = batch.topk_ids.reshape(B * T, K) if with_topk else None
     chunks = []
     with autocast(model, precision):
         hidden = model(
@@ -922,7 +894,7 @@ def policy_logprobs(
     logp, topk_logp, entropy = zip(*chunks)
     return LogProbs(
         logp=torch.cat(logp).view(B, T),
-        topk_logp=torch.cat(topk_logp).view(B, T, K) if topk_ids is not None else None,
+        topk_logp=torch.cat(topk_logp).view(B, T, K) if with_topk else None,
         entropy=torch.cat(entropy).view(B, T) if with_entropy else None,
     )
 
@@ -1666,9 +1638,8 @@ def build_tiny_model(cache_dir: str) -> str:
     )
     trained.save_pretrained(building)
     config.save_pretrained(building)
-    tokenizer = AutoTokenizer.from_pretrained(
-        building
-    )  # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
+    # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
+    tokenizer = AutoTokenizer.from_pretrained(building)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id
@@ -1696,7 +1667,13 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
             add_special_tokens=False,
         )
         mask = completions.attention_mask
-        logp = policy_logprobs(model, prompts.input_ids, prompts.attention_mask, completions.input_ids, mask, 1.0).logp
+        pairs = SimpleNamespace(
+            prompt_ids=prompts.input_ids,
+            prompt_mask=prompts.attention_mask,
+            completion_ids=completions.input_ids,
+            completion_mask=mask,
+        )
+        logp = policy_logprobs(model, pairs, 1.0).logp
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()

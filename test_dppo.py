@@ -341,18 +341,7 @@ def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeyp
         (logp * weights).sum().backward()
         return logp.detach(), topk_logp, entropy, [p.grad.clone() for p in model.parameters()]
 
-    chunked = run(
-        lambda: dppo.policy_logprobs(
-            model,
-            rollout.prompt_ids,
-            rollout.prompt_mask,
-            rollout.completion_ids,
-            rollout.completion_mask,
-            0.8,
-            topk_ids=rollout.topk_ids,
-            with_entropy=True,
-        )
-    )
+    chunked = run(lambda: dppo.policy_logprobs(model, rollout, 0.8, with_topk=True, with_entropy=True))
 
     def full():  # the plain way: every logit of every completion position at once
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
@@ -2050,9 +2039,7 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
     assert 1e-4 < (logp_pi_old - logp_mu)[m].abs().max() < 1e-2  # mu != pi_old: bf16's rounding
 
     def papers_gradient(weight_from):  # of sum_t token_weights * -A * sg(pi / weight_from) * M * log pi
-        pi = dppo.policy_logprobs(
-            moved, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0
-        ).logp
+        pi = dppo.policy_logprobs(moved, rollout, 1.0).logp
         ratio = (pi - logp_pi_old).exp().detach()
         if objective == "ppo_clip":
             blocked = ((A_t > 0) & (ratio > 1 + cfg.clip_high)) | (
@@ -2103,12 +2090,7 @@ def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, 
     )
     assert not model.training  # back in eval mode for generate()
     model.train()
-    twice = [
-        dppo.policy_logprobs(
-            model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0
-        )[0]
-        for _ in range(2)
-    ]
+    twice = [dppo.policy_logprobs(model, rollout, 1.0)[0] for _ in range(2)]
     assert torch.equal(*twice)  # with attention_dropout 0.5 left on, these would differ
 
 
@@ -2718,16 +2700,14 @@ def training_peak_memory_mib(
         topk_ids = torch.randint(vocab, (batch, T, 20), generator=generator)
         dppo.reset_peak_memory(torch.device("cpu"))
         before = dppo.peak_memory_mb(torch.device("cpu"))
-        logp, _, _ = dppo.policy_logprobs(
-            model,
-            prompt,
-            torch.ones_like(prompt),
-            completion,
-            torch.ones(batch, T),
-            1.0,
+        completions = SimpleNamespace(
+            prompt_ids=prompt,
+            prompt_mask=torch.ones_like(prompt),
+            completion_ids=completion,
+            completion_mask=torch.ones(batch, T),
             topk_ids=topk_ids,
-            with_entropy=True,
         )
+        logp, _, _ = dppo.policy_logprobs(model, completions, 1.0, with_topk=True, with_entropy=True)
         logp.sum().backward()
         del logp
         peaks[T] = dppo.peak_memory_mb(torch.device("cpu")) - before
@@ -3081,9 +3061,9 @@ def test_a_micro_batch_size_need_not_divide_the_mini_batch(demo_cache, tmp_path,
     # whole mini-batch, so the smaller last one weighs its tokens the same (the gradient test holds it to that)
     sizes, policy_logprobs = [], dppo.policy_logprobs
 
-    def recording(model, prompt_ids, *args, **kwargs):
-        sizes.append(len(prompt_ids))
-        return policy_logprobs(model, prompt_ids, *args, **kwargs)
+    def recording(model, batch, *args, **kwargs):
+        sizes.append(len(batch.prompt_ids))
+        return policy_logprobs(model, batch, *args, **kwargs)
 
     monkeypatch.setattr(dppo, "policy_logprobs", recording)
     argv = f"--cache_dir {demo_cache} --steps 1 --eval_n 10 --micro_batch_size 48 --output_dir {tmp_path}".split()
@@ -3632,7 +3612,13 @@ def equivalence_batch(model) -> tuple:
     completion_mask = (torch.arange(T) < torch.tensor(lengths)[:, None]).float()
     completion_ids = torch.randint(2, 200, (B, T), generator=generator) * completion_mask.long()
     with torch.no_grad():
-        logp, _, _ = dppo.policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
+        completions = SimpleNamespace(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+        )
+        logp, _, _ = dppo.policy_logprobs(model, completions, 1.0)
     logp_mu = (logp + 0.7 * torch.randn(B, T, generator=generator)).clamp(max=-1e-3)
     logp_mu[:, ::3] = math.log(0.5)  # far above the random model's pi ~ 1/300: the binary TV is large there
     topk_ids = torch.cat([completion_ids[..., None], torch.randint(200, 300, (B, T, K - 1), generator=generator)], -1)
@@ -3958,11 +3944,10 @@ def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losse
     cfg = config(precision="bf16", topk=5, max_new_tokens=12)
     torch.manual_seed(1)
     rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
-    args = (model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, 1.0)
     with torch.no_grad():
         with dppo.autocast(model, "bf16"):
-            bf16 = dppo.policy_logprobs(*args, topk_ids=rollout.topk_ids, with_entropy=True)
-        fp32 = dppo.policy_logprobs(*args, topk_ids=rollout.topk_ids, with_entropy=True)
+            bf16 = dppo.policy_logprobs(model, rollout, 1.0, with_topk=True, with_entropy=True)
+        fp32 = dppo.policy_logprobs(model, rollout, 1.0, with_topk=True, with_entropy=True)
     m = rollout.completion_mask.bool()
     assert all(x.dtype == torch.float32 for x in (*rollout.mu, *bf16))
     for recorded, trained in ((rollout.mu.logp, bf16.logp), (rollout.mu.topk_logp, bf16.topk_logp)):
