@@ -38,6 +38,8 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -78,7 +80,9 @@ from transformers import (
     LogitsProcessor,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    StaticCache,
 )
+from transformers.cache_utils import StaticLayer
 
 from rewards import extract_answer, extract_gold, reward
 
@@ -97,33 +101,26 @@ def setting(default, help, **argparse_kwargs):  # a Config field that is also a 
 class Config:
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
-    objective: str = setting(
-        "ppo_clip", "the per-token loss, i.e. which trust region (README: each one's paper)", choices=OBJECTIVES
-    )
+    objective: str = setting("ppo_clip", "the per-token loss: which trust region (see README)", choices=OBJECTIVES)
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
     sampler_dtype: str = setting(
-        "policy",
-        "sample from the policy or its copy in this dtype, as an inference engine",
-        choices=["policy", "float32", "bfloat16", "float16"],
+        "policy", "the policy samples, or its copy in this dtype", choices=["policy", "float32", "bfloat16", "float16"]
+    )
+    generation_cache: str = setting(
+        "dynamic", "generate's KV cache: grown a token at a time, or allocated once", choices=["dynamic", "static"]
     )
     advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", choices=["grpo", "sas"])
     scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", choices=["group", "none"])
     loss_agg: str = setting(
-        "token_mean",
-        "how per-token losses are averaged over a mini-batch (see token_weights)",
-        choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"],
+        "token_mean", "see token_weights", choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"]
     )
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
-    clip_low: float = setting(
-        0.2, "ppo_clip, erc, gspo: r clipped below at 1 - clip_low (cispo: its weight); dcpo: eps"
-    )
-    clip_high: float = setting(
-        0.28, "ppo_clip, erc, gspo: r clipped above at 1 + clip_high (cispo: its weight); dcpo: eps"
-    )
+    clip_low: float = setting(0.2, "ppo_clip, erc, gspo: r clipped at 1 - clip_low (cispo: its weight); dcpo: eps")
+    clip_high: float = setting(0.28, "ppo_clip, erc, gspo: r clipped at 1 + clip_high (cispo: its weight); dcpo: eps")
     relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", choices=["none", "high", "low", "both"])
     relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
@@ -135,17 +132,11 @@ class Config:
     drpo_delta: float = setting(12.5, "drpo: its penalty's delta; a token's gradient weight is 1 -+ |pi - mu| / delta")
     cppo_delta: float = setting(0.15, "cppo: delta, the most a token's (position-weighted) |pi - mu| may move")
     cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
-    cppo_delta_b_min: float = setting(
-        0.02, "cppo: delta_b, the budget per token, is within [delta_b_min, 2 delta_b_min]"
-    )
-    is_cap: float = setting(
-        math.inf, "pg, DPPO: cap C on the importance weight min(r, C); inf = off, as DPPO's authors"
-    )
+    cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
+    is_cap: float = setting(math.inf, "pg, DPPO, cppo: cap C on the importance weight min(r, C); inf: none")
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
     rollout_correction: str = setting(
-        "tis",
-        "--recompute_old: the weight on w = pi_old/mu (see rollout_correction)",
-        choices=["tis", "token_mis", "seq_mis", "none"],
+        "tis", "--recompute_old: its weight on pi_old/mu", choices=["tis", "token_mis", "seq_mis", "none"]
     )
     correction_cap: float = setting(
         2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)"
@@ -155,7 +146,7 @@ class Config:
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
     updates_per_step: int = setting(
-        4, "M: mini-batches per rollout batch, one optimizer step each (trust regions act from update 2)"
+        4, "M: mini-batches per rollout batch, an optimizer step each (trust regions: 2..M)"
     )
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
@@ -170,6 +161,9 @@ class Config:
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
     save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
+    report_to: str = setting(
+        "none", "also send metrics.jsonl's records to this tracker", choices=["none", "wandb", "tensorboard", "trackio"]
+    )
     resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
@@ -341,21 +335,12 @@ class Rollout:
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """One completion per prompt, recording mu; every sampling setting explicit, or a checkpoint's would change mu."""
-    inputs = tokenize_prompts(tokenizer, prompts, model.device)
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
+    sampling = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
     with full_weights(model), autocast(model, cfg.precision):
-        output_ids = model.generate(
-            **inputs,
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_k=0,
-            top_p=1.0,
-            repetition_penalty=1.0,
-            max_new_tokens=cfg.max_new_tokens,
-            logits_processor=[recorder],
+        inputs, completion_ids, mask = generate(
+            model, tokenizer, prompts, cfg.max_new_tokens, cfg.generation_cache, logits_processor=[recorder], **sampling
         )
-    completion_ids = output_ids[:, inputs.input_ids.shape[1] :]
-    mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
     topk_ids, mu = recorder.finish(completion_ids)
     return Rollout(
         prompt_ids=inputs.input_ids,
@@ -367,6 +352,39 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
         anchor=mu,  # DPPO's anchor; recompute_anchor replaces it under --recompute_old
         texts=decode(tokenizer, completion_ids, mask),
     )
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, generation_cache="dynamic", **sampling):
+    """(prompt inputs, completion ids, completion mask) of model.generate. --generation_cache static pads the prompts to
+    a multiple of 64, so that shapes repeat, and allocates the KV cache once; generate then compiles its decoding step,
+    on CUDA only, and not for an FSDP2 policy, whose gathered weights move between rollouts (CUDA graphs keep them)."""
+    static = generation_cache == "static"
+    inputs = tokenize_prompts(tokenizer, prompts, model.device, pad_to_multiple_of=64 if static else None)
+    prompt_length = inputs.input_ids.shape[1]
+    cache = static_cache(model, prompt_length + max_new_tokens) if static else None
+    no_compile = isinstance(model, FSDPModule)
+    output_ids = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, past_key_values=cache, disable_compile=no_compile, **sampling
+    )
+    completion_ids = output_ids[:, prompt_length:]
+    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
+
+
+def static_cache(model, length: int) -> StaticCache:
+    cache = StaticCache(model.config, max_cache_len=length)
+    cache.layers = [StaticLayerOwnDtypes(length) if type(layer) is StaticLayer else layer for layer in cache.layers]
+    return cache
+
+
+class StaticLayerOwnDtypes(StaticLayer):
+    """transformers' static cache layer, its values kept in their own dtype as a dynamic cache keeps them: under bf16
+    autocast RoPE turns the keys fp32 while the values stay bf16, and StaticLayer would store both as the keys."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        if self.values.dtype != value_states.dtype:
+            self.values = self.values.to(value_states.dtype)
+            torch._dynamo.mark_static_address(self.values)  # as StaticLayer's own: a CUDA graph may hold it
 
 
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
@@ -391,10 +409,15 @@ def format_prompt(tokenizer, question: str) -> str:
     return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], device) -> dict:
+def tokenize_prompts(tokenizer, prompts: list[str], device, pad_to_multiple_of=None) -> dict:
     # Left padding: every completion starts in the same column. A chat template already holds the special tokens.
     return tokenizer(
-        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=not tokenizer.chat_template
+        prompts,
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        pad_to_multiple_of=pad_to_multiple_of,
+        add_special_tokens=not tokenizer.chat_template,
     ).to(device)
 
 
@@ -930,7 +953,7 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 # ============================================================================ evaluation
 
 
-def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_size: int, precision="auto") -> float:
+def evaluate(model, tokenizer, problems, max_new_tokens, batch_size, precision="auto", generation_cache="dynamic"):
     """Greedy held-out accuracy: each process takes every world-th problem."""
     rank, world = rank_and_world()
     mine = problems[rank::world]
@@ -938,10 +961,10 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int, batch_
     with full_weights(model), autocast(model, precision):
         for start in range(0, len(mine), batch_size):
             batch = mine[start : start + batch_size]
-            inputs = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], model.device)
-            output_ids = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-            completion_ids = output_ids[:, inputs.input_ids.shape[1] :]
-            mask = completion_mask(completion_ids, model.generation_config.eos_token_id)
+            prompts = [format_prompt(tokenizer, p["question"]) for p in batch]
+            _, completion_ids, mask = generate(
+                model, tokenizer, prompts, max_new_tokens, generation_cache, do_sample=False
+            )
             texts = decode(tokenizer, completion_ids, mask)
             correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
     return all_processes([correct])[0] / len(problems)
@@ -1093,13 +1116,21 @@ def main(argv=None) -> dict:
         first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer)
     steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     metrics_path = output_dir / "metrics.jsonl" if rank == 0 else os.devnull  # rank 0 alone writes
-    with open(metrics_path, "a" if resume_from else "w") as metrics_file, stop_on_ctrl_c() as stop_requested:
+    with (
+        open(metrics_path, "a" if resume_from else "w") as metrics_file,
+        contextlib.closing(Tracker(cfg, output_dir)) as tracker,
+        stop_on_ctrl_c() as stop_requested,
+    ):
 
         def log(record: dict):  # a line at a time, flushed: an interrupted run keeps every finished step
-            print(json.dumps({**record, "time/elapsed_s": time.time() - started}), file=metrics_file, flush=True)
+            record = {**record, "time/elapsed_s": time.time() - started}
+            print(json.dumps(record), file=metrics_file, flush=True)
+            tracker.log(record)
 
         def evaluation() -> float:
-            return evaluate(model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision)
+            return evaluate(
+                model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision, cfg.generation_cache
+            )
 
         if initial_accuracy is None:
             initial_accuracy = evaluation()
@@ -1111,29 +1142,27 @@ def main(argv=None) -> dict:
                 metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
             except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
                 save_model(model, tokenizer, output_dir)
-                message = (
+                leave_after_rank_0(
                     f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that optimizer "
                     f"step is in {output_dir}, metrics.jsonl up to step {step - 1}"
                 )
-                sys.exit(message if rank == 0 else 1)
             log(metrics)
             if step % cfg.eval_every == 0 or step == steps:
                 accuracy = evaluation()
                 log({"step": step, "eval/accuracy": accuracy})
-            progress.set_postfix(
-                reward=metrics["reward/mean"],
-                acc=accuracy,
-                blocked=metrics["trust_region/blocked_frac"],
-                gen_tok_s=round(metrics["throughput/generated_tokens_per_s"]),
+            progress.set_postfix(  # as a person reads them: tqdm would print 10234.5 tokens/s as 1.02e+4
+                reward=f"{metrics['reward/mean']:.3f}",
+                acc=f"{accuracy:.1%}",
+                blocked=f"{metrics['trust_region/blocked_frac']:.2%}",
+                gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
             )
             stop = all_processes([len(stop_requested)], op=max)[0] > 0  # Ctrl-C reached any process
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
-                message = (
+                leave_after_rank_0(
                     f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}"
                 )
-                sys.exit(message if rank == 0 else 1)
     save_model(model, tokenizer, output_dir)
     if rank == 0:
         print(
@@ -1377,6 +1406,14 @@ def full_weights(model):
             )  # FSDP2 keeps the root gathered in training
 
 
+def leave_after_rank_0(message: str):
+    """sys.exit(message) on rank 0, once every process is here; the others leave with status 0, since torchrun stops
+    every process (SIGTERM) once one exits non-zero, which would cut rank 0's model, message or tracker short."""
+    if dist.is_initialized():
+        dist.barrier()
+    sys.exit(message if rank_and_world()[0] == 0 else 0)
+
+
 def all_processes(values: list, op=sum) -> list[float]:
     """Each value added up over the processes (op=max: the largest one)."""
     return [op(column) for column in zip(*gathered([[float(value) for value in values]]))]
@@ -1466,6 +1503,36 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous_handler)
 
 
+class Tracker:
+    """--report_to: every metrics.jsonl record also goes to wandb, TensorBoard or trackio (from rank 0 alone), with the
+    run's flags as its config; each package is imported only when chosen (check_config has found it)."""
+
+    def __init__(self, cfg: Config, output_dir: Path):
+        self.kind = cfg.report_to if rank_and_world()[0] == 0 else "none"
+        if self.kind == "tensorboard":  # it keeps no run config: the flags go to its text tab
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.run = SummaryWriter(output_dir / "tensorboard")
+            self.run.add_text("config", json.dumps(dataclasses.asdict(cfg)))
+        elif self.kind in ("wandb", "trackio"):  # trackio takes wandb's calls
+            tracker = importlib.import_module(self.kind)
+            self.run = tracker.init(project="dppo", name=output_dir.name, config=dataclasses.asdict(cfg))
+
+    def log(self, record: dict):
+        values = {name: value for name, value in record.items() if name != "step"}
+        if self.kind == "tensorboard":
+            for name, value in values.items():
+                self.run.add_scalar(name, value, record["step"])
+        elif self.kind != "none":
+            self.run.log(values, step=record["step"])
+
+    def close(self):
+        if self.kind == "tensorboard":
+            self.run.close()
+        elif self.kind != "none":
+            self.run.finish()
+
+
 # -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow
 
 
@@ -1504,6 +1571,8 @@ def check_config(cfg: Config):
         fail(
             f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}"
         )
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # an optional extra
+        fail(f"--report_to {cfg.report_to}: the {cfg.report_to} package is not installed; pip install {cfg.report_to}")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step
     if cfg.prompts_per_step % world:
         fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: use a multiple")

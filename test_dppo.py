@@ -30,6 +30,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never wai
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import base64
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -42,7 +43,9 @@ import random
 import re
 import shutil
 import signal
+import sqlite3
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -53,7 +56,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import dppo
 from rewards import extract_answer, extract_gold, reward
@@ -289,14 +292,18 @@ def teacher_forced_logp(model, rollout, temperature):
     return torch.log_softmax(logits[:, -T - 1 : -1].float() / temperature, dim=-1)
 
 
-def sample(policy, temperature, topk, n=6, max_new_tokens=12):
+def sample(policy, temperature, topk, n=6, max_new_tokens=12, generation_cache="dynamic"):
     model, tokenizer = policy
     prompts = [
         dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
     ]
     torch.manual_seed(1)
-    cfg = config(temperature=temperature, topk=topk, max_new_tokens=max_new_tokens)
+    cfg = config(temperature=temperature, topk=topk, max_new_tokens=max_new_tokens, generation_cache=generation_cache)
     return dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(n // 3)], cfg)
+
+
+# generate's two KV caches: grown a token at a time, or allocated once for prompts left-padded to a multiple of 64
+GENERATION_CACHES = ["dynamic", "static"]
 
 
 def test_prompts_use_the_chat_template_when_there_is_one():
@@ -316,8 +323,10 @@ def test_prompts_use_the_chat_template_when_there_is_one():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
-def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy, temperature):
-    rollout = sample(tiny_policy, temperature, topk=5)
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy, temperature, generation_cache):
+    rollout = sample(tiny_policy, temperature, topk=5, generation_cache=generation_cache)
+    assert (rollout.prompt_ids.shape[1] % 64 == 0) == (generation_cache == "static")  # static: padded to 64s
     logp = teacher_forced_logp(tiny_policy[0], rollout, temperature)
     m = rollout.completion_mask.bool()
     sampled = logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
@@ -362,9 +371,10 @@ def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeyp
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(chunked[3], plain[3]))
 
 
-def test_sampled_token_is_always_in_the_recorded_topk(tiny_policy):
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_sampled_token_is_always_in_the_recorded_topk(tiny_policy, generation_cache):
     # A hot temperature over a random model: the sampled token usually ranks far below K = 3.
-    rollout = sample(tiny_policy, temperature=3.0, topk=3, n=12)
+    rollout = sample(tiny_policy, temperature=3.0, topk=3, n=12, generation_cache=generation_cache)
     logp = teacher_forced_logp(tiny_policy[0], rollout, 3.0)
     m = rollout.completion_mask.bool()
     in_set = (rollout.topk_ids == rollout.completion_ids.unsqueeze(-1)).any(-1)
@@ -1877,7 +1887,8 @@ def test_skip_zero_advantage_gives_the_gradient_without_the_zero_advantage_rows(
     assert torch.allclose(counted, without / 2, atol=1e-7, rtol=1e-4)
 
 
-def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(tiny_checkpoint):
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(tiny_checkpoint, generation_cache):
     model, tokenizer = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"))
     assert dppo.make_sampler(model, "policy") is model
     sampler = dppo.make_sampler(model, "bfloat16")
@@ -1888,7 +1899,7 @@ def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(t
     dppo.refresh_sampler(sampler, model)
     for s, p in zip(sampler.parameters(), model.parameters()):
         assert s.dtype == torch.bfloat16 and torch.equal(s, p.bfloat16())
-    rollout = sample((sampler, tokenizer), temperature=1.0, topk=5)
+    rollout = sample((sampler, tokenizer), temperature=1.0, topk=5, generation_cache=generation_cache)
     m = rollout.completion_mask.bool()
 
     def sampled_logp(policy):
@@ -2257,12 +2268,16 @@ def test_dcpo_with_two_epochs_revisits_every_prompt(demo_cache, tmp_path):
     assert len(step_records(tmp_path / "run")) == 4  # 2 epochs x 16 prompts / 8 per step
 
 
-def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache):
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache, generation_cache):
     model, tokenizer = dppo.load_policy(dppo.build_tiny_model(demo_cache), torch.device("cpu"))
     problems = dppo.arithmetic_problems()["test"][:16]
     torch.manual_seed(0)
     rollout = dppo.generate_rollout(
-        model, tokenizer, [dppo.format_prompt(tokenizer, p["question"]) for p in problems], config(max_new_tokens=16)
+        model,
+        tokenizer,
+        [dppo.format_prompt(tokenizer, p["question"]) for p in problems],
+        config(max_new_tokens=16, generation_cache=generation_cache),
     )
     eos = tokenizer.eos_token_id
     ended = [eos in row for row in rollout.completion_ids.tolist()]
@@ -3252,6 +3267,20 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(demo_cach
     assert comparable(halves) == comparable(whole)
 
 
+def test_the_static_cache_trains_the_demo_as_the_dynamic_one_does(demo_cache, tmp_path):
+    """fp32 on a CPU: the static path's padded prompts change no sampled token, only the last digits of some numbers
+    (measured: 2e-6 at most, in |pi - mu|'s maximum). bf16 rounds differently with the shapes: tokens then differ."""
+    for cache in GENERATION_CACHES:
+        demo_run(demo_cache, tmp_path / cache, "--steps", "2", "--generation_cache", cache)
+    dynamic, static = (
+        [json.loads(line) for line in (tmp_path / cache / "metrics.jsonl").read_text().splitlines()]
+        for cache in GENERATION_CACHES
+    )
+    assert [r["step"] for r in static] == [0, 1, 2, 2]
+    for expected, record in zip(comparable(dynamic), comparable(static)):
+        assert record == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
 def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_cache, tmp_path, monkeypatch):
     """16 problems to train on, 8 a step, 3 epochs: every prompt comes back every 2 steps, so from step 3 on
     SAS's per-prompt reward history, not GRPO, sets the advantages, and the history has to survive a process
@@ -3374,6 +3403,130 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_objective_after_saving(
         0,
         1,
     ]
+
+
+# ---------------------------------------------------------------------------- --report_to: trackers
+
+
+def test_the_progress_bar_shows_numbers_as_a_person_reads_them(demo_cache, tmp_path, capsys):
+    dppo.main(f"--cache_dir {demo_cache} --steps 1 --eval_n 10 --output_dir {tmp_path}".split())
+    bar = capsys.readouterr().err  # e.g. acc=30.0%, blocked=0.00%, gen_tok_s=10235, reward=0.131: no 1.02e+4
+    assert re.search(r"acc=\d+\.\d%, blocked=\d+\.\d\d%, gen_tok_s=\d+, reward=\d\.\d{3}\b", bar), bar[-500:]
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard", "trackio"])
+def test_a_missing_tracker_package_is_one_line_naming_its_pip_install(tracker, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, tracker, None)  # `import tracker` raises ImportError, as when it is not installed
+    monkeypatch.setattr(dppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(dppo, "load_problems", lambda *a, **k: pytest.fail("data were loaded"))
+    says = one_line_exit_2(["--report_to", tracker], capsys)
+    assert says.endswith(f"--report_to {tracker}: the {tracker} package is not installed; pip install {tracker}")
+
+
+TRACKED_RUN = [
+    "--prompts_per_step",
+    "8",
+    "--samples_per_prompt",
+    "4",
+    "--micro_batch_size",
+    "16",
+    "--eval_n",
+    "20",
+    "--eval_every",
+    "1",
+    "--steps",
+    "2",
+]
+
+
+def tracked_run(tracker: str, demo_cache, tmp_path, **env) -> tuple[list[dict], dict]:
+    """A 2-step demo run with --report_to TRACKER in a fresh interpreter (where the trackers keep their global state):
+    the records of its metrics.jsonl, and its flags as a dict."""
+    if importlib.util.find_spec(tracker) is None:
+        missing_test_asset(f"{tracker} is not installed: pip install {tracker}")
+    flags = [*TRACKED_RUN, "--cache_dir", demo_cache, "--report_to", tracker, "--output_dir", str(tmp_path / "run")]
+    result = subprocess.run(
+        [sys.executable, str(HERE / "dppo.py"), *flags],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 1, 2, 2]  # a step's record, then its evaluation's
+    return records, dataclasses.asdict(dppo.parse_config(flags))
+
+
+def by_step(records: list[dict]) -> dict:
+    """step -> the step's records merged, the later's values winning (a step and its evaluation share a step)."""
+    merged = defaultdict(dict)
+    for record in records:
+        merged[record["step"]].update({name: value for name, value in record.items() if name != "step"})
+    return dict(merged)
+
+
+def test_tensorboard_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cache, tmp_path):
+    records, flags = tracked_run("tensorboard", demo_cache, tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    written = defaultdict(list)  # name -> [(step, value)] in order, as TensorBoard stores them: float32
+    for record in records:
+        for name, value in record.items():
+            if name != "step":
+                written[name].append((record["step"], torch.tensor(value, dtype=torch.float32).item()))
+    assert {name: [(e.step, e.value) for e in events.Scalars(name)] for name in events.Tags()["scalars"]} == written
+    assert json.loads(events.Tensors("config/text_summary")[0].tensor_proto.string_val[0]) == flags
+
+
+def wandb_records(run_file: Path) -> list:
+    """The records of a wandb run file, a LevelDB-style log: after a 7-byte header, 32 KiB blocks of chunks, each
+    with a 7-byte header (CRC-32C, length, type: 1 a whole record, 2-4 its first, middle and last parts)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, pending, records = run_file.read_bytes(), 7, b"", []
+    while position + 7 <= len(data):
+        room = 32768 - position % 32768
+        length, kind = struct.unpack("<HB", data[position + 4 : position + 7]) if room >= 7 else (0, 0)
+        if kind == 0:  # a block's padding
+            position += room
+            continue
+        pending, position = pending + data[position + 7 : position + 7 + length], position + 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cache, tmp_path):
+    home = {f"WANDB_{name}_DIR": str(tmp_path / name.lower()) for name in ("CONFIG", "CACHE", "DATA")}
+    records, flags = tracked_run("wandb", demo_cache, tmp_path, WANDB_MODE="offline", **home)
+    [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # wandb writes ./wandb
+    logged, config = wandb_records(run_file), {}
+    rows = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for record in logged
+        if record.HasField("history")
+    ]
+    for record in logged:
+        config.update(
+            {item.key: json.loads(item.value_json) for item in [*record.run.config.update, *record.config.update]}
+        )
+    assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows] == list(by_step(records).values())
+    assert [row["_step"] for row in rows] == list(by_step(records))
+    assert {k: v for k, v in config.items() if k != "_wandb"} == flags
+
+
+def test_trackio_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cache, tmp_path):
+    records, flags = tracked_run("trackio", demo_cache, tmp_path, TRACKIO_DIR=str(tmp_path / "trackio"))
+    with contextlib.closing(sqlite3.connect(tmp_path / "trackio" / "dppo.db")) as database:
+        logged = database.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+        [[config]] = database.execute("SELECT config FROM configs").fetchall()
+    assert [(step, json.loads(values)) for step, values in logged] == [(r.pop("step"), r) for r in records]
+    assert {k: v for k, v in json.loads(config).items() if not k.startswith("_")} == {**flags, "is_cap": "Infinity"}
 
 
 # ---------------------------------------------------------------------------- run_gsm8k.sh
@@ -3674,17 +3827,39 @@ def sas_rewards(visit: int) -> torch.Tensor:
     )
 
 
+def sharded_rollout_gaps(checkpoint, generation_cache: str) -> dict:
+    """Each process samples its own completions from the FSDP2-sharded policy, as rl_step does; the largest gaps, over
+    the processes, between mu as recorded and a teacher-forced pass of the sharded model."""
+    rank, _ = dppo.rank_and_world()
+    model, tokenizer = dppo.load_policy(str(checkpoint), torch.device("cpu"))
+    model = dppo.shard(model)
+    questions = ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
+    prompts = [dppo.format_prompt(tokenizer, q) for q in questions]
+    torch.manual_seed(1 + rank)
+    rollout = dppo.generate_rollout(
+        model, tokenizer, prompts * 2, config(topk=5, max_new_tokens=12, generation_cache=generation_cache)
+    )
+    with torch.no_grad():
+        pi = dppo.policy_logprobs(model, rollout, 1.0, with_topk=True, with_entropy=True)
+    m = rollout.completion_mask.bool()
+    in_topk = (rollout.topk_ids == rollout.completion_ids[..., None]).any(-1)[m].all()
+    gaps = [(mu - p)[m].abs().max() for mu, p in zip(rollout.mu, pi)] + [~in_topk, rollout.prompt_ids.shape[1]]
+    names = ["logp", "topk_logp", "entropy", "outside_topk", "prompt_columns"]
+    return dict(zip(names, dppo.all_processes(gaps, op=max)))
+
+
 def distributed_checks(checkpoint, out):
     """Run under torchrun by test_distributed_checks: every equivalence case, then SAS over 3 visits."""
     dppo.set_up_device("cpu")
     rank, world = dppo.rank_and_world()
     results = {case: one_update(checkpoint, *case) for case in EQUIVALENCE_CASES + BF16_EQUIVALENCE_CASES}
+    rollout_gaps = {cache: sharded_rollout_gaps(checkpoint, cache) for cache in GENERATION_CACHES}
     history, cfg, advantages = {}, config(advantage="sas", samples_per_prompt=4, prompts_per_step=4), []
     for visit, indices in enumerate(SAS_VISITS):
         _, all_advantages = dppo.step_advantages(sas_rewards(visit).chunk(world)[rank].tolist(), indices, history, cfg)
         advantages.append(all_advantages)
     if rank == 0:
-        torch.save({"results": results, "sas": advantages}, out)
+        torch.save({"results": results, "sas": advantages, "rollout_gaps": rollout_gaps}, out)
     gc.collect()  # as dppo.py does at its end: the sharded models go before the process group
     torch.distributed.destroy_process_group()
 
@@ -3731,6 +3906,14 @@ def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
         assert torch.allclose(advantages, grpo, atol=1e-6) == (visit == 0), visit
 
 
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_two_fsdp2_processes_record_mu_as_a_teacher_forced_pass_sees_it(two_process_results, generation_cache):
+    gaps = two_process_results["rollout_gaps"][generation_cache]
+    assert max(gaps["logp"], gaps["topk_logp"], gaps["entropy"]) <= 1e-4, gaps
+    assert gaps["outside_topk"] == 0  # the sampled token is always among the recorded top K
+    assert (gaps["prompt_columns"] % 64 == 0) == (generation_cache == "static")
+
+
 def two_process_demo(demo_cache, out, *flags) -> subprocess.CompletedProcess:
     result = torchrun(
         HERE / "dppo.py",
@@ -3775,6 +3958,60 @@ def test_two_process_demo_runs_saves_one_model_and_resumes_exactly(demo_cache, t
     held_out = dppo.arithmetic_problems()["test"][:21]
     assert whole[0]["eval/accuracy"] == dppo.evaluate(initial, tokenizer, held_out, 16, 250)  # counts added up right
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), initial.state_dict().values()))
+
+
+SLOW_WRITE = """import runpy, sys, time
+import transformers
+save_pretrained = transformers.PreTrainedModel.save_pretrained
+
+
+def slow_save_pretrained(*args, **kwargs):  # as a large model's write takes seconds: any other process has left by then
+    time.sleep(3)
+    return save_pretrained(*args, **kwargs)
+
+
+transformers.PreTrainedModel.save_pretrained = slow_save_pretrained
+sys.argv = [{dppo!r}, *sys.argv[1:]]
+runpy.run_path({dppo!r}, run_name="__main__")
+"""
+
+
+def test_a_non_finite_loss_under_torchrun_leaves_the_whole_model_rank_0_names(demo_cache, tmp_path):
+    """An absurd learning rate: update 1 moves the weights by about 1e30, and update 2's loss is NaN. Every process
+    stops there; rank 0 writes the model slowly. torchrun stops every process as soon as one exits non-zero."""
+    script = tmp_path / "slow_write.py"
+    script.write_text(SLOW_WRITE.format(dppo=str(HERE / "dppo.py")))
+    result = torchrun(
+        script,
+        "--device",
+        "cpu",
+        "--cache_dir",
+        demo_cache,
+        "--prompts_per_step",
+        "8",
+        "--samples_per_prompt",
+        "4",
+        "--micro_batch_size",
+        "8",
+        "--eval_n",
+        "21",
+        "--steps",
+        "4",
+        "--learning_rate",
+        "1e30",
+        "--output_dir",
+        tmp_path / "run",
+    )
+    said = re.findall(
+        r"dppo\.py: stopped at step 1 \(ppo_clip\): non-finite loss nan .* in update 2 of 2\. "
+        r"The model before that optimizer step is in (\S+), metrics\.jsonl up to step 0",
+        result.stderr,
+    )
+    assert said == [str(tmp_path / "run")], result.stderr[-3000:]  # rank 0 said it: it was not stopped before
+    assert result.returncode != 0
+    model = AutoModelForCausalLM.from_pretrained(said[0])
+    assert all(torch.isfinite(w).all() for w in model.state_dict().values())
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [0]
 
 
 def step_records_so_far(run_dir: Path) -> list[dict]:
@@ -3934,14 +4171,17 @@ def test_one_bf16_update_on_two_processes_equals_one_process(
     assert metrics["loss"] == pytest.approx(expected_metrics["loss"], rel=BF16_UPDATE_TOLERANCE, abs=1e-6)
 
 
-def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losses_stay_fp32(tiny_policy):
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losses_stay_fp32(
+    tiny_policy, generation_cache
+):
     """--precision bf16 on a CPU: generate and the training pass run under bf16 autocast; mu, log pi, the ratio and
     the loss are fp32 tensors computed from bf16 logits, and agree to bf16's rounding, not to fp32's."""
     model, tokenizer = tiny_policy
     prompts = [
         dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
     ]
-    cfg = config(precision="bf16", topk=5, max_new_tokens=12)
+    cfg = config(precision="bf16", topk=5, max_new_tokens=12, generation_cache=generation_cache)
     torch.manual_seed(1)
     rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
     with torch.no_grad():
