@@ -361,19 +361,18 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, generati
     static = generation_cache == "static"
     inputs = tokenize_prompts(tokenizer, prompts, model.device, pad_to_multiple_of=64 if static else None)
     prompt_length = inputs.input_ids.shape[1]
-    cache = static_cache(model, prompt_length + max_new_tokens) if static else None
+    cache = None
+    if static:  # its values keep their own dtype, see StaticLayerOwnDtypes
+        cache = StaticCache(model.config, max_cache_len=prompt_length + max_new_tokens)
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is StaticLayer:
+                cache.layers[i] = StaticLayerOwnDtypes(layer.max_cache_len)
     no_compile = isinstance(model, FSDPModule)
     output_ids = model.generate(
         **inputs, max_new_tokens=max_new_tokens, past_key_values=cache, disable_compile=no_compile, **sampling
     )
     completion_ids = output_ids[:, prompt_length:]
     return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
-
-
-def static_cache(model, length: int) -> StaticCache:
-    cache = StaticCache(model.config, max_cache_len=length)
-    cache.layers = [StaticLayerOwnDtypes(length) if type(layer) is StaticLayer else layer for layer in cache.layers]
-    return cache
 
 
 class StaticLayerOwnDtypes(StaticLayer):
@@ -779,7 +778,7 @@ def dppo_divergence(objective: str, anchor: LogProbs, pi: LogProbs) -> torch.Ten
 
 # DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
 # distributions coarsened to {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them:
-# binary <= top-K <= full (full_tv, full_kl in the appendix). No gradient.
+# binary <= top-K <= full vocabulary (the tests hold them to that). No gradient.
 
 
 @torch.no_grad()
@@ -877,9 +876,8 @@ LOGITS_CHUNK_ELEMENTS = 2**23  # pi's output layer runs on at most this many pos
 
 
 def policy_logprobs(model, batch, temperature, with_topk=False, with_entropy=False, precision="fp32") -> LogProbs:
-    """One teacher-forced pass over a batch's prompts and completions (a Rollout's fields): log pi(a_t | s_t) (B, T) in
-    fp32 with gradient; without, log pi at mu's top-K ids (B, T, K) and the entropy, if asked. The model's own forward
-    makes no logits; its lm_head then runs a chunk of positions at a time."""
+    """One teacher-forced pass over a batch (a Rollout's fields): log pi(a_t | s_t) (B, T) in fp32 with gradient;
+    without, log pi at mu's top-K ids (B, T, K) and the entropy, if asked. lm_head runs a chunk at a time."""
     B, T = batch.completion_ids.shape
     K = batch.topk_ids.shape[-1] if with_topk else 0
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
@@ -1442,14 +1440,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
     weights, optimizer_state = get_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    random_states = gathered(
-        [
-            {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            }
-        ]
-    )
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    random_states = gathered([{"torch": torch.get_rng_state(), "cuda": cuda_states}])  # every process's
     if rank_and_world()[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
@@ -1690,9 +1682,8 @@ def build_tiny_model(cache_dir: str) -> str:
     torch.manual_seed(0)
     sets = arithmetic_problems()
     building = path.with_name(f"{path.name}.building-{os.getpid()}")
-    trained = train_tokenizer(
-        [f"Question: {p['question']}\nAnswer: {p['answer']}" for p in sets["warmup"] + sets["train"]]
-    )
+    corpus = [f"Question: {p['question']}\nAnswer: {p['answer']}" for p in sets["warmup"] + sets["train"]]
+    trained = train_tokenizer(corpus)
     config = Qwen2Config(
         vocab_size=len(trained),
         hidden_size=128,
@@ -1752,14 +1743,6 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
             print(f"  warm-up step {step}: loss {loss.item():.3f}, dev accuracy {accuracy:.1%}")
             if accuracy >= target_accuracy:
                 break
-
-
-def full_tv(logits_mu, logits_pi):
-    return partition_tv(logits_mu.float().log_softmax(-1), logits_pi.float().log_softmax(-1))
-
-
-def full_kl(logits_mu, logits_pi):
-    return partition_kl(logits_mu.float().log_softmax(-1), logits_pi.float().log_softmax(-1))
 
 
 if __name__ == "__main__":
