@@ -3923,29 +3923,13 @@ def test_two_fsdp2_processes_record_mu_as_a_teacher_forced_pass_sees_it(two_proc
     assert (gaps["prompt_columns"] % 64 == 0) == (generation_cache == "static")
 
 
+# A small demo step on 2 processes: 8 prompts x 4 samples, each process 16 completions in micro-batches of 8.
+TWO_PROCESS_DEMO = "--device cpu --prompts_per_step 8 --samples_per_prompt 4 --micro_batch_size 8 --eval_n 21".split()
+
+
 def two_process_demo(demo_cache, out, *flags) -> subprocess.CompletedProcess:
-    result = torchrun(
-        HERE / "dppo.py",
-        "--device",
-        "cpu",
-        "--cache_dir",
-        demo_cache,
-        "--prompts_per_step",
-        "8",
-        "--samples_per_prompt",
-        "4",
-        "--micro_batch_size",
-        "8",
-        "--eval_n",
-        "21",
-        "--eval_every",
-        "2",
-        "--objective",
-        "dcpo",
-        "--output_dir",
-        out,
-        *flags,
-    )
+    run = f"--cache_dir {demo_cache} --eval_every 2 --objective dcpo --output_dir {out}".split()
+    result = torchrun(HERE / "dppo.py", *TWO_PROCESS_DEMO, *run, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -3990,27 +3974,8 @@ def test_a_non_finite_loss_under_torchrun_leaves_the_whole_model_rank_0_names(de
     stops there; rank 0 writes the model slowly. torchrun stops every process as soon as one exits non-zero."""
     script = tmp_path / "slow_write.py"
     script.write_text(SLOW_WRITE.format(dppo=str(HERE / "dppo.py")))
-    result = torchrun(
-        script,
-        "--device",
-        "cpu",
-        "--cache_dir",
-        demo_cache,
-        "--prompts_per_step",
-        "8",
-        "--samples_per_prompt",
-        "4",
-        "--micro_batch_size",
-        "8",
-        "--eval_n",
-        "21",
-        "--steps",
-        "4",
-        "--learning_rate",
-        "1e30",
-        "--output_dir",
-        tmp_path / "run",
-    )
+    run = f"--cache_dir {demo_cache} --steps 4 --learning_rate 1e30 --output_dir {tmp_path / 'run'}".split()
+    result = torchrun(script, *TWO_PROCESS_DEMO, *run)
     said = re.findall(
         r"dppo\.py: stopped at step 1 \(ppo_clip\): non-finite loss nan .* in update 2 of 2\. "
         r"The model before that optimizer step is in (\S+), metrics\.jsonl up to step 0",
