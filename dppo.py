@@ -456,9 +456,8 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
 
 
 def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
-    all_rewards = torch.tensor(
-        gathered(rewards)
-    )  # every process's, in prompt order: SAS's history is the same everywhere
+    # every process's rewards, in prompt order: SAS's history is the same everywhere
+    all_rewards = torch.tensor(gathered(rewards))
     if cfg.advantage == "sas":
         return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
     return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
@@ -565,9 +564,7 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
         return mask / mask.sum(1, keepdim=True).clamp(min=1) / completions
     if loss_agg == "seq_sum":  # mean over completions of each one's token sum (DCPO's OTM)
         return mask / completions
-    if (
-        loss_agg == "seq_sum_norm"
-    ):  # Dr. GRPO (arXiv 2503.20783): each one's token sum over a constant, the length limit
+    if loss_agg == "seq_sum_norm":  # Dr. GRPO (arXiv 2503.20783): each one's token sum over the length limit
         if not max_new_tokens > 0:
             raise ValueError(f"token_weights: seq_sum_norm divides by max_new_tokens > 0, got {max_new_tokens}")
         return mask / max_new_tokens / completions
@@ -1399,9 +1396,8 @@ def full_weights(model):
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(
-                unit is not model, recurse=False
-            )  # FSDP2 keeps the root gathered in training
+            # FSDP2 keeps the root gathered in training
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
 
 
 def leave_after_rank_0(message: str):

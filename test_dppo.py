@@ -598,8 +598,8 @@ def test_dppo_mask_of_binary_tv_binary_kl_topk_tv_topk_kl_rows_thresholds_and_gr
         (-1.0, 0.5, 0.16, True),  # A < 0, p falls past the threshold: blocked
         (-1.0, 0.5, 0.15, False),
         (-1.0, 1.5, 99.0, False),  # A < 0, p rises: moving back toward mu, never blocked
-        (0.0, 1.5, 99.0, False),
-    ]  # A = 0: nothing to block, nothing to learn
+        (0.0, 1.5, 99.0, False),  # A = 0: nothing to block, nothing to learn
+    ]
     A, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
     logp_mu = torch.full_like(r, math.log(0.4))
     logp = (logp_mu + r.log()).requires_grad_()
@@ -631,8 +631,8 @@ def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
         (+1.0, 0.5, 0.6, 9.0, False),  # A > 0, p falls: back toward mu, never blocked
         (-1.0, 0.5, 1.2, 9.0, False),  # A < 0, p rises: never blocked
         (+1.0, 0.2, 3.0, 0.05, False),  # r = 3 > C: weight min(r, C) = 2.5
-        (-1.0, 0.2, 4.0, 9.0, False),
-    ]  # back toward mu, r = 4: weight 2.5
+        (-1.0, 0.2, 4.0, 9.0, False),  # back toward mu, r = 4: weight 2.5
+    ]
     A, q, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
     logp_mu = q.log()
     logp = (logp_mu + r.log()).requires_grad_()
@@ -857,8 +857,8 @@ def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip(
         (+1.0, 0.1, 2.20, -2.20, -2.20, False),  # a rare token's room: inside [0.5, 2.302776]
         (+1.0, 0.02, 3.50, -3.00, 0.0, True),  # above r_max = 3 (r_max 5 or none: inside 4.405125)
         (-1.0, 0.02, 4.00, 4.00, 4.00, False),  # A < 0, r < c = 5: not clipped (c = 3 would cap it)
-        (-1.0, 0.02, 6.00, 5.00, 0.0, True),
-    ]  # A < 0, r > c: dual clip, loss -A * c = 5
+        (-1.0, 0.02, 6.00, 5.00, 0.0, True),  # A < 0, r > c: dual clip, loss -A * c = 5
+    ]
     A, q, r, loss, grad, binds = (torch.tensor(column) for column in zip(*rows))
     logp = (q.log() + r.log()).requires_grad_()
     out, clipped = dppo.dcpo_loss(logp, q.log(), A, clip_low=0.1, clip_high=0.3, r_max=3.0, dual_clip=5.0)
@@ -946,8 +946,8 @@ CISPO_CASES = [
     (-1.0, 0.5, 0.8),  # weight clipped to 0.8: -A * 0.8 (ppo_clip blocks the token)
     (+1.0, 1.1, -1.1),  # inside: -A * r (were r differentiated too: -1.1 * (1 + log 0.44) = -0.1969)
     (-1.0, 1.5, 1.28),  # A < 0, moving back: the weight is still clipped
-    (+1.0, 0.5, -0.8),
-]  # A > 0, moving back: likewise
+    (+1.0, 0.5, -0.8),  # A > 0, moving back: likewise
+]
 
 
 def test_cispo_clips_the_weight_and_never_the_token():
@@ -2023,9 +2023,8 @@ def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_fr
     )
     assert "policy/abs_old_minus_mu_mean" not in from_mu
     assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
-    assert (
-        recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2
-    )  # the loss's anchor
+    # the loss's anchor
+    assert recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2
 
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "binary_tv"])
@@ -2045,8 +2044,8 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
         clip_low=0.1,
         clip_high=0.15,
         delta_low=2e-4,
-        delta_high=3e-4,
-    )  # D ~ 1e-6 to 1e-3
+        delta_high=3e-4,  # D ~ 1e-6 to 1e-3
+    )
     anchored = dppo.recompute_anchor(model, rollout, cfg)  # pi_old: the policy before the step's first update
     generator = torch.Generator().manual_seed(0)
     moved = copy.deepcopy(model)
@@ -2757,9 +2756,8 @@ def test_training_memory_grows_with_the_chunk_not_with_the_logits(large_vocab_ch
     logits_mib = {T: B * T * QWEN_VOCAB_SIZE * 4 / 2**20 for T in lengths}  # one fp32 copy of the logits
     chunk_mib = dppo.LOGITS_CHUNK_ELEMENTS * 4 / 2**20
     assert peaks[192] - peaks[64] <= 0.1 * (logits_mib[192] - logits_mib[64])
-    assert (
-        peaks[192] <= 8 * chunk_mib + 2 * QWEN_VOCAB_SIZE * 64 * 4 / 2**20
-    )  # a few chunk temporaries + grad of the embedding
+    # a few chunk temporaries + the gradient of the embedding
+    assert peaks[192] <= 8 * chunk_mib + 2 * QWEN_VOCAB_SIZE * 64 * 4 / 2**20
 
 
 BENCH_OBJECTIVES = dppo.OBJECTIVES
@@ -3888,9 +3886,8 @@ def test_one_update_on_two_processes_equals_one_process(tiny_checkpoint, two_pro
     weights, metrics = two_process_results["results"][(objective, loss_agg)]
     expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg)
     before = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint).state_dict()
-    assert (
-        max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2
-    )  # the update is large enough to see
+    # the update is large enough to see
+    assert max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2
     for name in expected_weights:
         assert torch.allclose(weights[name], expected_weights[name], atol=1e-5, rtol=0), name
     assert metrics["trust_region/blocked_frac"] > 0  # the trust region binds on some tokens
@@ -4267,9 +4264,8 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
     fp32_mib = sum(p.numel() for p in whole.parameters()) * 4 / 2**20
     assert set(results["weights"]) == set(whole.state_dict())
     assert all(torch.equal(results["weights"][k], v) for k, v in whole.state_dict().items())
-    assert all(
-        torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers()
-    )  # inv_freq is not in a state dict
+    # inv_freq is not in a state dict
+    assert all(torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers())
     cast = dppo.make_sampler(whole, "bfloat16")
     for process in results["processes"]:
         assert process["eos"] == whole.generation_config.eos_token_id
