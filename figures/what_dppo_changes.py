@@ -222,7 +222,7 @@ def bandit(objective, mu0, seed, rewarded=True, vocab=451, samples=4096, updates
     logits.requires_grad_()
     optimizer = torch.optim.AdamW([logits], lr=lr, weight_decay=0.0)
     mask = torch.ones(samples, 1)
-    weights = dppo.token_weights(mask, cfg.loss_agg, cfg.max_new_tokens)
+    weights = dppo.token_weights(mask, cfg.loss_agg, max_new_tokens=cfg.max_new_tokens)
     history = []
     for _ in range(steps):
         scores = logits.detach().float().expand(samples, vocab)  # every sample from the same state
@@ -338,7 +338,7 @@ def main(argv=None):
     if args.only in (None, "numerics"):
         model, name = args.model, Path(args.model).name or "the demo model"
         if args.gguf:
-            model, name = read_gguf(args.gguf), Path(args.gguf).stem
+            model, name = read_gguf(args.gguf), Path(args.gguf).name.split(".")[0]
         tokens = sampled_tokens(
             model, args.dataset, ("bfloat16", "float16"), args.prompts, args.samples, args.max_new_tokens
         )
