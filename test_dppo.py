@@ -4377,7 +4377,8 @@ def bisect(f, low, high, iterations=80):  # where the increasing f crosses 0 bet
 def test_the_drawn_trust_regions_end_where_the_papers_closed_forms_do():
     """The furthest pi(a_t) that keeps its gradient, found by bisection on objective_loss and autograd, against the
     closed forms: PPO's pi/mu = 1 - eps_low, 1 + eps_high (eq. 7; DAPO eq. 8); binary TV's |pi - mu| = delta
-    (DPPO eqs. 11-13); binary KL's KL = delta (eq. 14); DCPO's roots of |r (r - 1)| q = eps (arXiv 2509.02333, eq. 4)."""
+    (DPPO eqs. 11-13); binary KL's KL = delta (eq. 14); DCPO's roots of |r (r - 1)| q = eps (arXiv 2509.02333,
+    eq. 4)."""
     figs, mu = figures(), REACH_MU
     one, zero = torch.ones_like(mu), torch.zeros_like(mu)
     dcpo_low = 0.5 + 0.5 * (1 - 4 * 0.2 / mu).clamp(min=0).sqrt()
