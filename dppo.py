@@ -38,7 +38,6 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import importlib
 import importlib.util
 import json
 import math
@@ -61,7 +60,6 @@ import huggingface_hub.constants
 import huggingface_hub.utils
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -71,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import (
     AutoConfig,
@@ -93,35 +92,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read when a tokenize
 OBJECTIVES = "pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo".split()
 
 
-def setting(default, help, **argparse_kwargs):  # a Config field that is also a command-line flag
-    return dataclasses.field(default=default, metadata=dict(help=help, **argparse_kwargs))
+def setting(default, help, choices=""):  # a Config field that is also a command-line flag; choices: "a b c"
+    return dataclasses.field(default=default, metadata=dict(help=help, choices=choices.split() or None))
 
 
 @dataclasses.dataclass
 class Config:
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
-    objective: str = setting("ppo_clip", "the per-token loss: which trust region (see README)", choices=OBJECTIVES)
+    objective: str = setting("ppo_clip", "the per-token loss: which trust region (see README)", " ".join(OBJECTIVES))
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
-    sampler_dtype: str = setting(
-        "policy", "the policy samples, or its copy in this dtype", choices=["policy", "float32", "bfloat16", "float16"]
-    )
-    generation_cache: str = setting(
-        "dynamic", "generate's KV cache: grown a token at a time, or allocated once", choices=["dynamic", "static"]
-    )
-    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", choices=["grpo", "sas"])
-    scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", choices=["group", "none"])
-    loss_agg: str = setting(
-        "token_mean", "see token_weights", choices=["token_mean", "seq_mean_token_mean", "seq_sum", "seq_sum_norm"]
-    )
+    sampler_dtype: str = setting("policy", "sample from a copy in this dtype", "policy float32 bfloat16 float16")
+    generation_cache: str = setting("dynamic", "KV cache: grown a token at a time, or allocated once", "dynamic static")
+    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
+    scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", "group none")
+    loss_agg: str = setting("token_mean", "see token_weights", "token_mean seq_mean_token_mean seq_sum seq_sum_norm")
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
     clip_low: float = setting(0.2, "ppo_clip, erc, gspo: r clipped at 1 - clip_low (cispo: its weight); dcpo: eps")
     clip_high: float = setting(0.28, "ppo_clip, erc, gspo: r clipped at 1 + clip_high (cispo: its weight); dcpo: eps")
-    relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", choices=["none", "high", "low", "both"])
+    relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", "none high low both")
     relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
     dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
@@ -135,9 +128,7 @@ class Config:
     cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
     is_cap: float = setting(math.inf, "pg, DPPO, cppo: cap C on the importance weight min(r, C); inf: none")
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
-    rollout_correction: str = setting(
-        "tis", "--recompute_old: its weight on pi_old/mu", choices=["tis", "token_mis", "seq_mis", "none"]
-    )
+    rollout_correction: str = setting("tis", "--recompute_old: its weight on pi_old/mu", "tis token_mis seq_mis none")
     correction_cap: float = setting(
         2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)"
     )
@@ -153,7 +144,7 @@ class Config:
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
     gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward")
-    precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", choices=["auto", "bf16", "fp32"])
+    precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", "auto bf16 fp32")
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
@@ -161,9 +152,7 @@ class Config:
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
     save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
-    report_to: str = setting(
-        "none", "also send metrics.jsonl's records to this tracker", choices=["none", "wandb", "tensorboard", "trackio"]
-    )
+    report_to: str = setting("none", "also send metrics.jsonl's records to a tracker", "none wandb tensorboard trackio")
     resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
 
@@ -264,13 +253,8 @@ class SamplingRecorder(LogitsProcessor):
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
             self.record_sampled_token(completion_ids[:, -1])
-        # generate() may call the recorder one step more than it keeps: [:T]
-        mu = LogProbs(
-            logp=torch.stack(self.logp_mu[:T], dim=1),
-            topk_logp=torch.stack(self.topk_logp_mu[:T], dim=1),
-            entropy=torch.stack(self.entropy_mu[:T], dim=1),
-        )
-        return torch.stack(self.topk_ids[:T], dim=1), mu
+        steps = (self.logp_mu, self.topk_logp_mu, self.entropy_mu)  # generate() may run one step more than it keeps
+        return torch.stack(self.topk_ids[:T], dim=1), LogProbs(*(torch.stack(x[:T], dim=1) for x in steps))
 
 
 @dataclasses.dataclass
@@ -440,9 +424,7 @@ def token_weights(mask: torch.Tensor, loss_agg: str, counts=None, max_new_tokens
         if not max_new_tokens > 0:
             raise ValueError(f"token_weights: seq_sum_norm divides by max_new_tokens > 0, got {max_new_tokens}")
         return mask / max_new_tokens / completions
-    raise ValueError(
-        f"token_weights: loss_agg must be token_mean, seq_mean_token_mean, seq_sum or seq_sum_norm, got {loss_agg!r}"
-    )
+    raise ValueError(f"token_weights: unknown loss_agg {loss_agg!r}")
 
 
 def token_counts(mask: torch.Tensor) -> torch.Tensor:
@@ -452,20 +434,15 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update; mu stays as sampled.
-    Only what the objective reads is computed (beyond_logp)."""
-    with_topk, with_entropy = beyond_logp(cfg.objective)
-    pi_old = LogProbs(
-        logp=torch.zeros_like(rollout.mu.logp),
-        topk_logp=torch.zeros_like(rollout.mu.topk_logp) if with_topk else None,
-        entropy=torch.zeros_like(rollout.mu.entropy) if with_entropy else None,
-    )
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, computed as far as the
+    objective reads it (beyond_logp); mu stays as sampled."""
+    wanted = (True, *beyond_logp(cfg.objective))
+    pi_old = LogProbs(*(torch.zeros_like(x) if want else None for x, want in zip(rollout.mu, wanted)))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
-        mb = rollout.select(rows).trimmed()
-        part_of_it = policy_logprobs(model, mb, cfg.temperature, with_topk, with_entropy, cfg.precision)
-        for whole, piece in zip(pi_old, part_of_it):
+        piece = policy_logprobs(model, rollout.select(rows).trimmed(), cfg.temperature, *wanted[1:], cfg.precision)
+        for whole, part_of_it in zip(pi_old, piece):
             if whole is not None:
-                whole[rows, : piece.shape[1]] = piece
+                whole[rows, : part_of_it.shape[1]] = part_of_it
     return dataclasses.replace(rollout, anchor=pi_old)
 
 
@@ -482,20 +459,15 @@ def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5,
     log_w = torch.where(real, logp_pi_old - logp_mu.clamp(min=LOG_EPS), 0.0)
     w = log_w.exp()
     if mode == "none":
-        weight = torch.ones_like(w)
-        flagged = torch.zeros_like(real)
-    elif mode == "token_mis":
+        return real.to(w.dtype), torch.zeros_like(real)
+    if mode == "token_mis":
         kept = (w >= low) & (w <= high)
-        weight = torch.where(kept, w, 0.0)
-        flagged = ~kept
-    else:
-        weight = w.clamp(max=cap)
-        flagged = w > cap
-        if mode == "seq_mis":
-            geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
-            kept = (geometric_mean >= low) & (geometric_mean <= high)
-            weight = torch.where(kept, weight, 0.0)
-            flagged = flagged | ~kept
+        return torch.where(kept, w, 0.0) * real, ~kept & real
+    weight, flagged = w.clamp(max=cap), w > cap
+    if mode == "seq_mis":
+        geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
+        kept = (geometric_mean >= low) & (geometric_mean <= high)
+        weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
     return weight * real, flagged & real
 
 
@@ -517,8 +489,8 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
     elif cfg.objective == "dcpo":
         return dcpo_loss(logp, logp_anchor, A, **clip, r_max=cfg.dcpo_r_max, dual_clip=cfg.dual_clip)
     elif cfg.objective == "erc":
-        band = dict(dual_clip=cfg.dual_clip, beta_low=cfg.erc_beta_low, beta_high=cfg.erc_beta_high)
-        return erc_loss(logp, logp_anchor, A, pi.entropy, anchor.entropy, **clip, **band)
+        band = dict(beta_low=cfg.erc_beta_low, beta_high=cfg.erc_beta_high)
+        return erc_loss(logp, logp_anchor, A, pi.entropy, anchor.entropy, **band, **clip, dual_clip=cfg.dual_clip)
     elif cfg.objective == "cispo":
         return cispo_loss(logp, logp_anchor, A, **clip)
     elif cfg.objective == "gspo":
@@ -594,21 +566,11 @@ def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max
     return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
 
 
-def erc_loss(
-    logp,
-    logp_anchor,
-    advantages,
-    entropy_pi,
-    entropy_anchor,
-    clip_low=0.2,
-    clip_high=0.28,
-    dual_clip=10.0,
-    beta_low=0.05,
-    beta_high=0.05,
-):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip, rho = (H_pi + 1e-8) / (H_anchor + 1e-8), no gradient:
+def erc_loss(logp, logp_anchor, advantages, entropy_pi, entropy_anchor, beta_low=0.05, beta_high=0.05, **clip):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip (clip: its clip_low, clip_high, dual_clip), no gradient
+    through rho = (H_pi + 1e-8) / (H_anchor + 1e-8):
     l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
-    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, clip_low, clip_high, dual_clip)
+    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, **clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
     return torch.where(kept, loss, loss.detach()), clipped | ~kept
 
@@ -766,22 +728,23 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
 
 # ============================================================================ pi's log-probs
 
-LOGITS_CHUNK_ELEMENTS = 2**23  # pi's output layer runs on at most this many positions x vocab entries at once (32 MiB)
+LOGITS_CHUNK = 2**26  # pi's output layer computes at most this many positions x vocabulary entries at once (256 MiB)
+LOGITS_KEPT = 2**30  # a pass with more logits than this recomputes each chunk in backward instead of keeping it (4 GiB)
 
 
 def policy_logprobs(model, batch, temperature, with_topk=False, with_entropy=False, precision="fp32") -> LogProbs:
     """One teacher-forced pass over a batch (a Rollout's fields): log pi(a_t | s_t) (B, T) in fp32 with gradient;
     without, log pi at mu's top-K ids (B, T, K) and the entropy, if asked. lm_head runs a chunk at a time."""
     B, T = batch.completion_ids.shape
-    K = batch.topk_ids.shape[-1] if with_topk else 0
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
-    no_position = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the model's own output layer: no logits
+    no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the output layer runs below, in chunks
     lm_head = model.get_output_embeddings()
-    n = max(1, LOGITS_CHUNK_ELEMENTS // lm_head.weight.shape[0])  # positions per chunk
-    targets = batch.completion_ids.reshape(B * T)
-    topk_ids = batch.topk_ids.reshape(B * T, K) if with_topk else None
+    n = max(1, LOGITS_CHUNK // lm_head.weight.shape[0])  # positions per chunk
+    recompute = torch.is_grad_enabled() and B * T * lm_head.weight.shape[0] > LOGITS_KEPT
+    targets = batch.completion_ids.reshape(B * T).split(n)
+    topk_ids = batch.topk_ids.reshape(B * T, -1).split(n) if with_topk else [None] * len(targets)
     chunks = []
     with autocast(model, precision):
         hidden = model(
@@ -789,32 +752,22 @@ def policy_logprobs(model, batch, temperature, with_topk=False, with_entropy=Fal
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=no_position,
+            logits_to_keep=no_logits,
             output_hidden_states=True,
         ).hidden_states[-1]  # after the final norm
-        hidden = hidden[:, -T - 1 : -1].reshape(B * T, -1)  # the positions that predict the completion's T tokens
-        for i in range(0, B * T, n):  # each chunk's logits recomputed in backward, not kept
-            chunk_topk_ids = topk_ids[i : i + n] if topk_ids is not None else None
-            chunk = torch.utils.checkpoint.checkpoint(
-                chunk_logprobs,
-                lm_head,
-                hidden[i : i + n],
-                targets[i : i + n],
-                temperature,
-                chunk_topk_ids,
-                with_entropy,
-                use_reentrant=False,
-            )
-            chunks.append(chunk)
-    logp, topk_logp, entropy = zip(*chunks)
-    return LogProbs(
-        logp=torch.cat(logp).view(B, T),
-        topk_logp=torch.cat(topk_logp).view(B, T, K) if with_topk else None,
-        entropy=torch.cat(entropy).view(B, T) if with_entropy else None,
-    )
+        hidden = hidden[:, -T - 1 : -1].reshape(B * T, -1).split(n)  # the positions that predict a_1 .. a_T
+        for args in zip(hidden, targets, topk_ids):
+            if recompute:
+                chunks.append(
+                    checkpoint(chunk_logprobs, lm_head, *args, temperature, with_entropy, use_reentrant=False)
+                )
+            else:
+                chunks.append(chunk_logprobs(lm_head, *args, temperature, with_entropy))
+    columns = (None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks))
+    return LogProbs(*(None if x is None else x.unflatten(0, (B, T)) for x in columns))
 
 
-def chunk_logprobs(lm_head, hidden, targets, temperature, topk_ids, with_entropy):
+def chunk_logprobs(lm_head, hidden, targets, topk_ids, temperature, with_entropy):
     """log pi = logit/T - logsumexp(logits/T) in fp32 at N positions' targets; at topk_ids and the entropy, no grad."""
     logits = lm_head(hidden).float() / temperature
     log_normaliser = logits.logsumexp(-1)
@@ -953,7 +906,7 @@ def parse_config(argv=None) -> Config:
         if isinstance(f.default, bool):
             kind = dict(action="store_true")
         else:
-            kind = dict(type=type(f.default), choices=f.metadata.get("choices"))
+            kind = dict(type=type(f.default), choices=f.metadata["choices"])
         parser.add_argument(f"--{f.name}", help=help, **kind)
     given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
@@ -974,9 +927,7 @@ def check_config(cfg: Config):
     if cfg.cppo_w_min > 1:
         fail(f"--cppo_w_min must be in (0, 1] (the position weight falls from 1 to it), got {cfg.cppo_w_min}")
     if cfg.samples_per_prompt < 2:
-        fail(
-            f"--samples_per_prompt must be at least 2 (GRPO compares a prompt's samples), got {cfg.samples_per_prompt}"
-        )
+        fail(f"--samples_per_prompt must be at least 2 (GRPO compares a group), got {cfg.samples_per_prompt}")
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # an optional extra
         fail(f"--report_to {cfg.report_to}: the {cfg.report_to} package is not installed; pip install {cfg.report_to}")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's number of processes; each takes 1/world of a step
@@ -1074,13 +1025,9 @@ def load_problems(cfg: Config) -> tuple[list[dict], list[dict]]:
     try:
         splits = load_dataset(name, config)
     except (ConnectionError, FileNotFoundError) as error:  # offline and not cached; or no such dataset on the Hub
-        fail(
-            not_in_offline_cache(
-                f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local JSONL file or directory"
-            )
-            if huggingface_hub.constants.HF_HUB_OFFLINE
-            else f"--dataset {cfg.dataset}: {first_line(error)}"
-        )
+        if huggingface_hub.constants.HF_HUB_OFFLINE:
+            fail(not_in_offline_cache(f"--dataset {cfg.dataset}: the Hub dataset {name} is", "a local file or folder"))
+        fail(f"--dataset {cfg.dataset}: {first_line(error)}")
     return train_and_test(splits, cfg.dataset)
 
 
@@ -1196,11 +1143,9 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
 
 
 def make_sampler(model, sampler_dtype: str):
-    return (
-        model
-        if sampler_dtype == "policy"
-        else copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
-    )
+    if sampler_dtype == "policy":
+        return model
+    return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -1250,9 +1195,7 @@ def set_up_device(name: str) -> torch.device:
 def shard(model, bf16=False):
     if not dist.is_initialized():
         return model
-    precision = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    )
+    precision = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
     # policy_logprobs's hidden states include the layers' outputs, views that nothing here writes to in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for unit in [*model.get_decoder().layers, model]:  # each decoder layer, then the root
@@ -1289,8 +1232,7 @@ def full_weights(model):
     finally:
         for unit in units:
             unit.reshard()
-            # FSDP2 keeps the root gathered in training
-            unit.set_reshard_after_forward(unit is not model, recurse=False)
+            unit.set_reshard_after_forward(unit is not model, recurse=False)  # FSDP2 keeps the root gathered
 
 
 def leave_after_rank_0(message: str):
@@ -1471,8 +1413,8 @@ RARE_TOKEN_MU = 0.15
 
 
 class TokenStats(dict):
-    """name -> (sum, count, max) over a step's tokens, as tensors on their device (no host sync per micro-batch);
-    reported as a share if "_frac" is in the name, else as _mean and _max, over every process."""
+    """name -> (sum, count, max) over a step's tokens, kept on the device; reported over every process as a share if
+    "_frac" is in the name, else as _mean and _max."""
 
     def add(self, name: str, values: torch.Tensor):
         total, count, largest = self.get(name, (0.0, 0, -math.inf))
@@ -1480,19 +1422,16 @@ class TokenStats(dict):
 
     def metrics(self) -> dict:
         names = sorted(self)
-        device = self[names[0]][0].device
-        totals, counts, maxima = (
-            torch.stack([torch.as_tensor(self[name][i], dtype=torch.float64, device=device) for name in names])
-            for i in range(3)
-        )
-        means = (all_reduced(torch.cat([totals, counts])).view(2, -1)).unbind()
-        means = (means[0] / means[1]).tolist()
-        maxima = all_reduced(maxima, dist.ReduceOp.MAX).tolist()
-        reported = {name: mean for name, mean in zip(names, means) if "_frac" in name}
+        totals = torch.stack([self[name][0] for name in names])
+        sums = all_reduced(torch.cat([totals, totals.new_tensor([self[name][1] for name in names])]))
+        means = (sums[: len(names)] / sums[len(names) :]).tolist()
+        maxima = all_reduced(torch.stack([self[name][2] for name in names]), dist.ReduceOp.MAX).tolist()
+        reported = {}
         for name, mean, maximum in zip(names, means, maxima):
-            if "_frac" not in name:
-                reported[f"{name}_mean"] = mean
-                reported[f"{name}_max"] = maximum
+            if "_frac" in name:
+                reported[name] = mean
+            else:
+                reported |= {f"{name}_mean": mean, f"{name}_max": maximum}
         return reported
 
 
@@ -1630,13 +1569,9 @@ def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
+    special_tokens, alphabet = ["<|endoftext|>", "<|pad|>"], pre_tokenizers.ByteLevel.alphabet()
     bpe.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=["<|endoftext|>", "<|pad|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
+        corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=alphabet)
     )
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
@@ -1672,9 +1607,7 @@ def build_tiny_model(cache_dir: str) -> str:
     # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
     tokenizer = AutoTokenizer.from_pretrained(building)
     model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=[trained.eos_token_id], pad_token_id=trained.pad_token_id)
     warm_up(model, tokenizer, sets["warmup"][:-200], dev=sets["warmup"][-200:], target_accuracy=0.30)
     model.save_pretrained(building)
     try:
@@ -1690,12 +1623,9 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
     for step in range(1, max_steps + 1):
         batch = rng.sample(problems, batch_size)
         prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], "cpu")
+        answers = [" " + p["answer"] + tokenizer.eos_token for p in batch]
         completions = tokenizer(
-            [" " + p["answer"] + tokenizer.eos_token for p in batch],
-            return_tensors="pt",
-            padding=True,
-            padding_side="right",
-            add_special_tokens=False,
+            answers, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
         )
         mask = completions.attention_mask
         pairs = SimpleNamespace(

@@ -350,11 +350,13 @@ def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy,
     assert rollout.anchor is rollout.mu  # the trust region's anchor is mu as sampled
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, 10_000])  # one position, chunks that split rows, everything at once
-def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeypatch, chunk):
+def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeypatch, chunk, recompute):
     model, _ = tiny_policy
     rollout = sample(tiny_policy, temperature=0.8, topk=4)
-    monkeypatch.setattr(dppo, "LOGITS_CHUNK_ELEMENTS", chunk * model.config.vocab_size)
+    monkeypatch.setattr(dppo, "LOGITS_CHUNK", chunk * model.config.vocab_size)
+    monkeypatch.setattr(dppo, "LOGITS_KEPT", 0 if recompute else dppo.LOGITS_KEPT)
     weights = torch.rand(rollout.completion_ids.shape, generator=torch.Generator().manual_seed(0))
 
     def run(logprobs_fn):
@@ -382,6 +384,32 @@ def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeyp
     for a, b in zip(chunked[:3], plain[:3]):
         assert torch.allclose(a, b.detach(), atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(chunked[3], plain[3]))
+
+
+def test_logits_are_recomputed_in_backward_only_when_a_pass_holds_more_than_logits_kept(tiny_policy, monkeypatch):
+    """Within LOGITS_KEPT each chunk's logits are computed once and kept for backward; beyond it, computed again in
+    backward (torch.utils.checkpoint), so that no more than a chunk's are held; without gradient, never twice."""
+    model, _ = tiny_policy
+    rollout = sample(tiny_policy, temperature=1.0, topk=4)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return chunk_logprobs(*args)
+
+    chunk_logprobs = dppo.chunk_logprobs
+    monkeypatch.setattr(dppo, "chunk_logprobs", counted)
+    monkeypatch.setattr(dppo, "LOGITS_CHUNK", 4 * model.config.vocab_size)  # 4 positions a chunk
+    chunks = math.ceil(rollout.completion_ids.numel() / 4)
+    logits = rollout.completion_ids.numel() * model.config.vocab_size
+    for kept, with_grad, expected in [(logits, True, chunks), (logits - 1, True, 2 * chunks), (0, False, chunks)]:
+        monkeypatch.setattr(dppo, "LOGITS_KEPT", kept)
+        calls.clear()
+        with torch.set_grad_enabled(with_grad):
+            logp = dppo.policy_logprobs(model, rollout, 1.0).logp
+            if with_grad:
+                logp.sum().backward()
+        assert len(calls) == expected, (kept, with_grad)
 
 
 @pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
@@ -2841,14 +2869,15 @@ def test_rollout_memory_grows_with_topk_not_with_the_vocabulary(large_vocab_chec
 
 
 def training_peak_memory_mib(
-    checkpoint: str, batch: int, completion_lengths: list, chunk_elements=None, gradient_checkpointing=False
+    checkpoint: str, batch: int, completion_lengths: list, chunk=None, kept=None, gradient_checkpointing=False
 ) -> dict:
     """Peak RSS of one training forward + backward pass (log-probs with gradient, pi at 20 top-K ids and the
     entropy, as erc and topk_* need them), in MiB above the RSS just before it, for each completion length,
     after a 32-token prompt. Gradient buffers exist before it (as from the second micro-batch on). For a
-    fresh process started with MALLOC_MMAP_THRESHOLD_ set low (see rollout_peak_memory_mib)."""
-    if chunk_elements:
-        dppo.LOGITS_CHUNK_ELEMENTS = chunk_elements
+    fresh process started with MALLOC_MMAP_THRESHOLD_ set low (see rollout_peak_memory_mib). chunk, kept: the
+    output layer's LOGITS_CHUNK and LOGITS_KEPT, if given."""
+    dppo.LOGITS_CHUNK = chunk or dppo.LOGITS_CHUNK
+    dppo.LOGITS_KEPT = dppo.LOGITS_KEPT if kept is None else kept
     model, _ = dppo.load_policy(checkpoint, torch.device("cpu"), gradient_checkpointing)
     model.train()
     vocab, generator = model.config.vocab_size, torch.Generator().manual_seed(0)
@@ -2874,14 +2903,15 @@ def training_peak_memory_mib(
 
 
 def test_training_memory_grows_with_the_chunk_not_with_the_logits(large_vocab_checkpoint):
-    """No B x T x V tensor in a training step: at Qwen's vocabulary, tripling the completion length adds
-    hardly any memory, while the fp32 logits of those tokens alone would add hundreds of MiB."""
+    """No B x T x V tensor in a training step whose logits exceed LOGITS_KEPT (0 here, as for a large batch): at
+    Qwen's vocabulary, tripling the completion length adds hardly any memory, while the fp32 logits of those tokens
+    alone would add hundreds of MiB. Chunks of 2^23 positions x vocabulary entries (32 MiB)."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("peak RSS is read from Linux's /proc")
-    B, lengths = 4, [64, 192]
+    B, lengths, chunk = 4, [64, 192], 2**23
     probe = (
-        f"import json, test_dppo; "
-        f"print(json.dumps(test_dppo.training_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {lengths})))"
+        f"import json, test_dppo; print(json.dumps("
+        f"test_dppo.training_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {lengths}, {chunk}, kept=0)))"
     )
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
@@ -2889,7 +2919,7 @@ def test_training_memory_grows_with_the_chunk_not_with_the_logits(large_vocab_ch
     peaks = {int(T): mib for T, mib in json.loads(done.stdout.splitlines()[-1]).items()}
     print(peaks)
     logits_mib = {T: B * T * QWEN_VOCAB_SIZE * 4 / 2**20 for T in lengths}  # one fp32 copy of the logits
-    chunk_mib = dppo.LOGITS_CHUNK_ELEMENTS * 4 / 2**20
+    chunk_mib = chunk * 4 / 2**20
     assert peaks[192] - peaks[64] <= 0.1 * (logits_mib[192] - logits_mib[64])
     # a few chunk temporaries + the gradient of the embedding
     assert peaks[192] <= 8 * chunk_mib + 2 * QWEN_VOCAB_SIZE * 64 * 4 / 2**20
