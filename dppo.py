@@ -108,6 +108,7 @@ class Config:
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from a copy in this dtype", "policy float32 bfloat16 float16")
     generation_cache: str = setting("dynamic", "KV cache: grown a token at a time, or allocated once", "dynamic static")
+    max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: the longest, to 64s)")
     advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
     scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", "group none")
     loss_agg: str = setting("token_mean", "see token_weights", "token_mean seq_mean_token_mean seq_sum seq_sum_norm")
@@ -148,6 +149,7 @@ class Config:
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
+    eval_samples: int = setting(0, "k > 0: also avg@k and pass@k over k samples a problem at --temperature")
     seed: int = setting(0, "seed for data order, sampling and initialisation")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
@@ -298,12 +300,11 @@ def part(x, index):
 
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
-    """One completion per prompt, recording mu; every sampling setting explicit, or a checkpoint's would change mu."""
+    """One completion per prompt, recording mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
-    sampling = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
     with full_weights(model), autocast(model, cfg.precision):
         inputs, completion_ids, mask = generate(
-            model, tokenizer, prompts, cfg.max_new_tokens, cfg.generation_cache, logits_processor=[recorder], **sampling
+            model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg)
         )
     topk_ids, mu = recorder.finish(completion_ids)
     return Rollout(
@@ -316,6 +317,11 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
         anchor=mu,  # DPPO's anchor; recompute_anchor replaces it under --recompute_old
         texts=decode(tokenizer, completion_ids, mask),
     )
+
+
+def sampling(cfg: Config) -> dict:
+    """mu = softmax(logits / T) over the whole vocabulary: every setting explicit, or a checkpoint's would change mu."""
+    return dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
@@ -798,21 +804,39 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 # ============================================================================ evaluation
 
 
-def evaluate(model, tokenizer, problems, max_new_tokens, batch_size, precision="auto", generation_cache="dynamic"):
-    """Greedy held-out accuracy: each process takes every world-th problem."""
+def evaluate(model, tokenizer, problems, cfg: Config) -> dict:
+    """Greedy held-out accuracy; with --eval_samples k also avg@k, the mean accuracy of k samples a problem at the
+    sampling temperature (the DPPO and CPPO papers' avg@16), and pass@k. Each process takes every world-th problem."""
     rank, world = rank_and_world()
-    mine = problems[rank::world]
-    correct = 0.0
-    with full_weights(model), autocast(model, precision):
-        for start in range(0, len(mine), batch_size):
-            batch = mine[start : start + batch_size]
-            prompts = [format_prompt(tokenizer, p["question"]) for p in batch]
-            _, completion_ids, mask = generate(
-                model, tokenizer, prompts, max_new_tokens, generation_cache, do_sample=False
-            )
-            texts = decode(tokenizer, completion_ids, mask)
-            correct += sum(reward(text, extract_gold(p["answer"])) for text, p in zip(texts, batch))
-    return all_reduced(torch.tensor(correct, dtype=torch.float64, device=model.device)).item() / len(problems)
+    mine, k = problems[rank::world], cfg.eval_samples
+    totals = torch.zeros(3, dtype=torch.float64, device=model.device)  # greedy, avg@k, pass@k: added up
+    own_random_stream = torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device])
+    with full_weights(model), autocast(model, cfg.precision), own_random_stream:  # training samples as without it
+        for start in range(0, len(mine), cfg.eval_batch_size):
+            batch = mine[start : start + cfg.eval_batch_size]
+            totals[0] += sum(rewards_of(model, tokenizer, batch, cfg, do_sample=False))
+            if k:
+                samples = [problem for problem in batch for _ in range(k)]
+                right = torch.tensor(rewards_of(model, tokenizer, samples, cfg, **sampling(cfg))).view(-1, k)
+                totals[1] += right.mean(1).sum()
+                totals[2] += sum(pass_at_k(k, int(correct), k) for correct in right.sum(1))
+    greedy, avg, passed = (all_reduced(totals) / len(problems)).tolist()
+    if k:
+        return {"eval/accuracy": greedy, "eval/avg_at_k": avg, "eval/pass_at_k": passed}
+    return {"eval/accuracy": greedy}
+
+
+def rewards_of(model, tokenizer, problems: list[dict], cfg: Config, **decoding) -> list[float]:
+    """One completion per problem, decoded as `decoding` says, and its 0/1 reward."""
+    prompts = [format_prompt(tokenizer, p["question"]) for p in problems]
+    _, completion_ids, mask = generate(model, tokenizer, prompts, cfg, **decoding)
+    texts = decode(tokenizer, completion_ids, mask)
+    return [reward(text, extract_gold(p["answer"])) for text, p in zip(texts, problems)]
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased pass@k of Chen et al. 2021 (arXiv 2107.03374, eq. 1): 1 - C(n - c, k) / C(n, k), c of n right."""
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
 # ============================================================================ main
@@ -828,6 +852,7 @@ def main(argv=None) -> dict:
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
+    cfg.max_prompt_tokens = prompt_length_limit(cfg, tokenizer, train_problems + held_out)
     first_step, initial_accuracy, reward_history = 1, None, {}
     if resume_from:
         first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer)
@@ -844,14 +869,13 @@ def main(argv=None) -> dict:
             print(json.dumps(record), file=metrics_file, flush=True)
             tracker.log(record)
 
-        def evaluation() -> float:
-            return evaluate(
-                model, tokenizer, held_out, cfg.max_new_tokens, cfg.eval_batch_size, cfg.precision, cfg.generation_cache
-            )
+        def evaluation(step: int) -> float:
+            results = evaluate(model, tokenizer, held_out, cfg)
+            log({"step": step, **results})
+            return results["eval/accuracy"]
 
         if initial_accuracy is None:
-            initial_accuracy = evaluation()
-            log({"step": 0, "eval/accuracy": initial_accuracy})
+            initial_accuracy = evaluation(0)
         accuracy = initial_accuracy
         progress = tqdm(range(first_step, steps + 1), desc=cfg.objective, dynamic_ncols=True, disable=rank != 0)
         for step in progress:
@@ -865,8 +889,7 @@ def main(argv=None) -> dict:
                 )
             log(metrics)
             if step % cfg.eval_every == 0 or step == steps:
-                accuracy = evaluation()
-                log({"step": step, "eval/accuracy": accuracy})
+                accuracy = evaluation(step)
             progress.set_postfix(  # as a person reads them: tqdm would print 10234.5 tokens/s as 1.02e+4
                 reward=f"{metrics['reward/mean']:.3f}",
                 acc=f"{accuracy:.1%}",
@@ -919,7 +942,14 @@ def parse_config(argv=None) -> Config:
 
 def check_config(cfg: Config):
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
-        at_least_0 = name in ("epochs", "weight_decay", "save_every", "cppo_delta_b_min")  # and these >= 0
+        at_least_0 = name in (
+            "epochs",
+            "weight_decay",
+            "save_every",
+            "cppo_delta_b_min",
+            "eval_samples",
+            "max_prompt_tokens",
+        )
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
@@ -1076,16 +1106,24 @@ def format_prompt(tokenizer, question: str) -> str:
     return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], device, pad_to_multiple_of=None) -> dict:
-    # Left padding: every completion starts in the same column. A chat template already holds the special tokens.
-    return tokenizer(
-        prompts,
-        return_tensors="pt",
-        padding=True,
-        padding_side="left",
-        pad_to_multiple_of=pad_to_multiple_of,
-        add_special_tokens=not tokenizer.chat_template,
-    ).to(device)
+def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
+    """Left-padded (every completion starts in the same column) to `length`, or to the longest prompt if 0."""
+    padding = dict(padding="max_length", max_length=length) if length else dict(padding=True)
+    special = not tokenizer.chat_template  # a chat template already holds the special tokens
+    return tokenizer(prompts, return_tensors="pt", padding_side="left", add_special_tokens=special, **padding).to(
+        device
+    )
+
+
+def prompt_length_limit(cfg: Config, tokenizer, problems: list[dict]) -> int:
+    """--max_prompt_tokens, with no prompt longer; under the static cache, if 0, the longest rounded up to 64."""
+    if not (cfg.max_prompt_tokens or cfg.generation_cache == "static"):
+        return 0
+    prompts = [format_prompt(tokenizer, p["question"]) for p in problems]
+    longest = max(map(len, tokenizer(prompts, add_special_tokens=not tokenizer.chat_template).input_ids))
+    if cfg.max_prompt_tokens and longest > cfg.max_prompt_tokens:
+        fail(f"--max_prompt_tokens {cfg.max_prompt_tokens}: the data set has a prompt of {longest} tokens")
+    return cfg.max_prompt_tokens or -(-longest // 64) * 64
 
 
 def decode(tokenizer, completion_ids, mask) -> list[str]:
@@ -1271,23 +1309,19 @@ def all_gathered_objects(item) -> list:
 # -------- generation, for rollouts and evaluation; the static cache
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, generation_cache="dynamic", **sampling):
-    """(prompt inputs, completion ids, completion mask) of model.generate. --generation_cache static pads the prompts to
-    a multiple of 64, so that shapes repeat, and allocates the KV cache once; generate then compiles its decoding step,
-    on CUDA only, and not for an FSDP2 policy, whose gathered weights move between rollouts (CUDA graphs keep them)."""
-    static = generation_cache == "static"
-    inputs = tokenize_prompts(tokenizer, prompts, model.device, pad_to_multiple_of=64 if static else None)
+def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
+    """(prompt inputs, completion ids, completion mask) of model.generate. --generation_cache static pads every prompt
+    to --max_prompt_tokens and allocates the KV cache once, so that every call has the same shapes and generate compiles
+    its decoding step once; on CUDA only, and not for an FSDP2 policy (its gathered weights move between rollouts)."""
+    static = cfg.generation_cache == "static"
+    inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
     prompt_length = inputs.input_ids.shape[1]
-    cache = None
     if static:  # its values keep their own dtype, see StaticLayerOwnDtypes
-        cache = StaticCache(model.config, max_cache_len=prompt_length + max_new_tokens)
-        for i, layer in enumerate(cache.layers):
-            if type(layer) is StaticLayer:
-                cache.layers[i] = StaticLayerOwnDtypes(layer.max_cache_len)
+        cache = StaticCache(model.config, max_cache_len=prompt_length + cfg.max_new_tokens)
+        cache.layers = [StaticLayerOwnDtypes(x.max_cache_len) if type(x) is StaticLayer else x for x in cache.layers]
+        decoding["past_key_values"] = cache
     no_compile = isinstance(model, FSDPModule)
-    output_ids = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, past_key_values=cache, disable_compile=no_compile, **sampling
-    )
+    output_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, disable_compile=no_compile, **decoding)
     completion_ids = output_ids[:, prompt_length:]
     return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
 
@@ -1640,7 +1674,9 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
         loss.backward()
         optimizer.step()
         if step % check_every == 0:
-            accuracy = evaluate(model, tokenizer, dev, max_new_tokens=16, batch_size=len(dev))
+            accuracy = evaluate(model, tokenizer, dev, Config(max_new_tokens=16, eval_batch_size=len(dev)))[
+                "eval/accuracy"
+            ]
             print(f"  warm-up step {step}: loss {loss.item():.3f}, dev accuracy {accuracy:.1%}")
             if accuracy >= target_accuracy:
                 break

@@ -311,11 +311,16 @@ def sample(policy, temperature, topk, n=6, max_new_tokens=12, generation_cache="
         dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
     ]
     torch.manual_seed(1)
-    cfg = config(temperature=temperature, topk=topk, max_new_tokens=max_new_tokens, generation_cache=generation_cache)
+    cfg = config(temperature=temperature, topk=topk, max_new_tokens=max_new_tokens, **cache_settings(generation_cache))
     return dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(n // 3)], cfg)
 
 
-# generate's two KV caches: grown a token at a time, or allocated once for prompts left-padded to a multiple of 64
+def cache_settings(generation_cache: str) -> dict:
+    """--generation_cache, and under static the prompt length main would fix: 64 covers every prompt here."""
+    return dict(generation_cache=generation_cache, max_prompt_tokens=64 if generation_cache == "static" else 0)
+
+
+# generate's two KV caches: grown a token at a time, or allocated once for prompts left-padded to one length
 GENERATION_CACHES = ["dynamic", "static"]
 
 
@@ -2448,7 +2453,7 @@ def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache, generation_
         model,
         tokenizer,
         [dppo.format_prompt(tokenizer, p["question"]) for p in problems],
-        config(max_new_tokens=16, generation_cache=generation_cache),
+        config(max_new_tokens=16, **cache_settings(generation_cache)),
     )
     eos = tokenizer.eos_token_id
     ended = [eos in row for row in rollout.completion_ids.tolist()]
@@ -2498,7 +2503,8 @@ def test_evaluation_accuracy_does_not_depend_on_the_batch_size(demo_greedy):
     model, tokenizer, problems = demo_greedy.model, demo_greedy.tokenizer, demo_greedy.problems
     assert 0 < demo_greedy.accuracy < 1  # some answers right, some wrong: a wrong count would show
     for batch_size in (1, 7, 20):  # one prompt at a time; batches of 7, 7 and 6 prompts, left-padded; all at once
-        assert dppo.evaluate(model, tokenizer, problems, 16, batch_size) == demo_greedy.accuracy, batch_size
+        accuracy = dppo.evaluate(model, tokenizer, problems, config(max_new_tokens=16, eval_batch_size=batch_size))
+        assert accuracy == {"eval/accuracy": demo_greedy.accuracy}, batch_size
 
 
 def test_evaluation_is_greedy_whatever_generation_settings_the_checkpoint_ships(demo_greedy, demo_cache, tmp_path):
@@ -2514,7 +2520,8 @@ def test_evaluation_is_greedy_whatever_generation_settings_the_checkpoint_ships(
     # The penalty alone changes greedy decoding's accuracy on these problems (measured: 0.2 against 0.3), so a leaked
     # one would show.
     assert greedy_accuracy(demo_greedy.model, tokenizer, problems, 16, repetition_penalty=1.5) != demo_greedy.accuracy
-    assert dppo.evaluate(model, tokenizer, problems, 16, 20) == demo_greedy.accuracy
+    accuracy = dppo.evaluate(model, tokenizer, problems, config(max_new_tokens=16, eval_batch_size=20))
+    assert accuracy["eval/accuracy"] == demo_greedy.accuracy
 
 
 def test_the_demo_learns(demo_cache, tmp_path):
@@ -3453,6 +3460,92 @@ def test_the_static_cache_trains_the_demo_as_the_dynamic_one_does(demo_cache, tm
         assert record == pytest.approx(expected, rel=1e-4, abs=1e-5)
 
 
+def test_the_static_cache_hands_generate_one_prompt_length_and_one_cache_length_all_run(
+    demo_cache, tmp_path, monkeypatch
+):
+    """--generation_cache static: every rollout and evaluation pads its prompts to one length fixed at start-up (the
+    data set's longest prompt, rounded up to 64) and sizes the KV cache once, although the steps' longest prompts
+    differ, some above 64 tokens and some below: a compiled decoding step never compiles again."""
+    problems, filler = dppo.arithmetic_problems(), "Think it over slowly and carefully. " * 2  # 25 tokens -> 73
+    train = [dict(p, question=filler + p["question"]) if i % 8 == 0 else p for i, p in enumerate(problems["train"])]
+    (tmp_path / "data").mkdir()
+    for split, rows in (("train", train[:64]), ("test", problems["test"][:12])):
+        (tmp_path / "data" / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    shapes, generate = [], Qwen2ForCausalLM.generate
+
+    def recorded(model, **kwargs):
+        longest = int(kwargs["attention_mask"].sum(1).max())
+        shapes.append((longest, kwargs["input_ids"].shape[1], kwargs["past_key_values"].layers[0].max_cache_len))
+        return generate(model, **kwargs)
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "generate", recorded)
+    flags = ["--dataset", str(tmp_path / "data"), "--generation_cache", "static", "--steps", "3", "--eval_n", "12"]
+    demo_run(demo_cache, tmp_path / "run", *flags, "--samples_per_prompt", "2")
+    longest, padded, cache = zip(*shapes)
+    assert len(shapes) == 3 + 2 and min(longest) < 64 < max(longest)  # 3 rollouts, 2 evaluations
+    assert set(padded) == {128} and set(cache) == {128 + 16}  # the longest prompt has 73 tokens
+
+
+def test_a_prompt_longer_than_max_prompt_tokens_is_refused_in_one_line_naming_the_flag(demo_cache, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo_run(demo_cache, tmp_path / "run", "--max_prompt_tokens", "16", "--steps", "1")
+    assert exit_info.value.code == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dppo.py")]  # not the progress bar
+    assert len(said) == 1 and said[0].startswith("dppo.py: error: --max_prompt_tokens 16: the data set has a prompt of")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "n, correct, k, expected",
+    [(5, 0, 5, 0.0), (5, 5, 5, 1.0), (5, 2, 1, 0.4), (5, 2, 2, 0.7), (4, 1, 3, 0.75), (10, 3, 5, 1 - 21 / 252)],
+)
+def test_pass_at_k_is_chen_et_als_unbiased_estimator(n, correct, k, expected):
+    """1 - C(n - c, k) / C(n, k) (arXiv 2107.03374, eq. 1), by hand: C(3, 2) / C(5, 2) = 3/10, C(7, 5) = 21, C(10, 5) =
+    252; with k = n it is 1 if any sample is right."""
+    assert dppo.pass_at_k(n, correct, k) == pytest.approx(expected, rel=1e-12)
+
+
+def test_evaluation_reports_avg_and_pass_at_k_from_k_samples_a_problem(tiny_policy, monkeypatch):
+    """--eval_samples 3 on a hand-made 0/1 table: one greedy generation a problem, then one sampled generation of
+    every prompt repeated k times in a row at --temperature; avg@k the mean of each problem's sample mean, pass@k the
+    share with a right sample (k = n)."""
+    model, tokenizer = tiny_policy
+    problems = [{"question": f"question {i}", "answer": f"#### {i}"} for i in range(4)]
+    greedy, sampled = [1.0, 0.0, 0.0, 1.0], [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    calls = []
+
+    def hand_made(model, tokenizer, batch, cfg, **decoding):
+        calls.append(([p["question"] for p in batch], decoding))
+        if not decoding["do_sample"]:
+            return [greedy[int(p["answer"][-1])] for p in batch]
+        return [sampled[int(p["answer"][-1])][i % 3] for i, p in enumerate(batch)]
+
+    monkeypatch.setattr(dppo, "rewards_of", hand_made)
+    results = dppo.evaluate(model, tokenizer, problems, config(eval_samples=3, eval_batch_size=4, temperature=0.7))
+    assert results == pytest.approx(
+        {"eval/accuracy": 0.5, "eval/avg_at_k": (2 / 3 + 0 + 1 / 3 + 1) / 4, "eval/pass_at_k": 0.75}
+    )
+    (greedy_questions, greedy_decoding), (sampled_questions, sampling) = calls
+    assert greedy_questions == [p["question"] for p in problems] and greedy_decoding == {"do_sample": False}
+    assert sampled_questions == [p["question"] for p in problems for _ in range(3)]
+    assert sampling == dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    assert set(dppo.evaluate(model, tokenizer, problems, config(eval_batch_size=4))) == {"eval/accuracy"}
+
+
+def test_a_run_with_eval_samples_logs_avg_and_pass_at_k_and_trains_as_without(demo_cache, tmp_path):
+    """The sampled evaluation draws from a random stream of its own: the training steps are those of a run without
+    it, metric for metric."""
+    for name, flags in (("with", ["--eval_samples", "4"]), ("without", [])):
+        demo_run(demo_cache, tmp_path / name, "--steps", "3", *flags)
+    with_k, without = (step_records(tmp_path / name) for name in ("with", "without"))
+    assert comparable(with_k) == comparable(without)
+    evaluations = [json.loads(line) for line in (tmp_path / "with" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in evaluations if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluations] == [0, 3]
+    assert all(0 <= r["eval/avg_at_k"] <= r["eval/pass_at_k"] <= 1 for r in evaluations)
+    assert all(0 < r["eval/avg_at_k"] < 1 for r in evaluations)  # sampled at T = 1, some right and some wrong
+
+
 def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_cache, tmp_path, monkeypatch):
     """16 problems to train on, 8 a step, 3 epochs: every prompt comes back every 2 steps, so from step 3 on
     SAS's per-prompt reward history, not GRPO, sets the advantages, and the history has to survive a process
@@ -4009,7 +4102,7 @@ def sharded_rollout_gaps(checkpoint, generation_cache: str) -> dict:
     prompts = [dppo.format_prompt(tokenizer, q) for q in questions]
     torch.manual_seed(1 + rank)
     rollout = dppo.generate_rollout(
-        model, tokenizer, prompts * 2, config(topk=5, max_new_tokens=12, generation_cache=generation_cache)
+        model, tokenizer, prompts * 2, config(topk=5, max_new_tokens=12, **cache_settings(generation_cache))
     )
     with torch.no_grad():
         pi = dppo.policy_logprobs(model, rollout, 1.0, with_topk=True, with_entropy=True)
@@ -4112,7 +4205,8 @@ def test_two_process_demo_runs_saves_one_model_and_resumes_exactly(demo_cache, t
     model, tokenizer = dppo.load_policy(str(tmp_path / "whole"), torch.device("cpu"))  # in one process
     initial, _ = dppo.load_policy(dppo.build_tiny_model(demo_cache), torch.device("cpu"))
     held_out = dppo.arithmetic_problems()["test"][:21]
-    assert whole[0]["eval/accuracy"] == dppo.evaluate(initial, tokenizer, held_out, 16, 250)  # counts added up right
+    one_process = dppo.evaluate(initial, tokenizer, held_out, config(max_new_tokens=16, eval_batch_size=250))
+    assert whole[0]["eval/accuracy"] == one_process["eval/accuracy"]  # counts added up right
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), initial.state_dict().values()))
 
 
@@ -4318,7 +4412,7 @@ def test_bf16_rollout_records_mu_as_a_teacher_forced_bf16_pass_sees_it_and_losse
     prompts = [
         dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
     ]
-    cfg = config(precision="bf16", topk=5, max_new_tokens=12, generation_cache=generation_cache)
+    cfg = config(precision="bf16", topk=5, max_new_tokens=12, **cache_settings(generation_cache))
     torch.manual_seed(1)
     rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
     with torch.no_grad():
