@@ -441,10 +441,12 @@ def test_completion_mask_includes_the_first_eos_and_nothing_after():
     assert torch.equal(dppo.completion_mask(ids, eos_ids), expected)
 
 
-# ---------------------------------------------------------------------------- advantages and objective
+# ------------------------------------------------------------ advantages: GRPO, and DCPO's smooth standardisation (SAS)
 
 
 def test_grpo_advantages_on_a_hand_made_group():
+    """GRPO (arXiv 2402.03300, section 4.1.2): A_j = (R_j - mean R) / (std R + eps), Bessel-corrected; Dr. GRPO's
+    centring alone (arXiv 2503.20783)."""
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     # group 1: mean 0.5, Bessel std sqrt((4 * 0.25) / 3) = 0.57735; group 2: all equal -> 0
     expected = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (math.sqrt(1 / 3) + 1e-6)
@@ -458,12 +460,170 @@ def test_grpo_scales_each_group_by_its_own_std_only_when_asked():
     # (1, 0, 0, 0): mean 0.25, deviations (0.75, -0.25, -0.25, -0.25), Bessel std sqrt(0.75 / 3) = 0.5
     # (2, 0, 1, 1): mean 1, deviations (1, -1, 0, 0), Bessel std sqrt(2 / 3) = 0.816497
     # (0.5, 0.5, 0.5, 0.5): all equal, A = 0 either way
+    """GRPO (arXiv 2402.03300, section 4.1.2) divides each group by its own std; --scale_rewards none (Dr. GRPO) does
+    not."""
     rewards = torch.tensor([1.0, 0, 0, 0, 2, 0, 1, 1, 0.5, 0.5, 0.5, 0.5])
     deviations = torch.tensor([0.75, -0.25, -0.25, -0.25, 1, -1, 0, 0, 0, 0, 0, 0])
     std = torch.tensor([0.5] * 4 + [math.sqrt(2 / 3)] * 4 + [0.0] * 4)
     assert torch.allclose(dppo.grpo_advantages(rewards, 4, scale_rewards="none"), deviations)
     # (1.5, -0.5, -0.5, -0.5, 1.224745, -1.224745, 0, 0, 0, ...), each divided by its group's std + 1e-6
     assert torch.allclose(dppo.grpo_advantages(rewards, 4, scale_rewards="group"), deviations / (std + 1e-6))
+
+
+def test_sas_first_visit_is_grpo():
+    """DCPO's smooth advantage standardisation (SAS, arXiv 2509.02333): a prompt's first visit gives GRPO's
+    advantages."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    history = {}
+    sas = dppo.sas_advantages(rewards, 4, prompt_keys=[7, 3], history=history)
+    assert torch.allclose(sas, dppo.grpo_advantages(rewards, 4), atol=1e-5)
+    assert set(history) == {7, 3} and history[7][0] == 1
+
+
+def test_sas_on_a_hand_worked_sequence_of_visits():
+    """DCPO's SAS (arXiv 2509.02333) over three visits of one prompt, by hand: running mean and std, SA_new, SA_tot, the
+    smaller."""
+    history = {}
+    # visit 1: R = (1, 0, 0, 0): mean 0.25, std 0.5 -> (1.5, -0.5, -0.5, -0.5)
+    a1 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0]), 4, [0], history)
+    assert torch.allclose(a1, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    # visit 2: R = (1, 1, 0, 0): mean_new 0.5, std_new sqrt(1/3); mean_tot 0.375,
+    # var_tot = (0.25 + 1/3 + (1/2) 0.25^2) / 2 = 0.307292, std_tot 0.554339.
+    # A_new = +-0.866025, A_tot = 1.127469 / -0.676481; at i = 2 both mixtures are their average.
+    a2 = dppo.sas_advantages(torch.tensor([1.0, 1, 0, 0]), 4, [0], history)
+    assert torch.allclose(a2, torch.tensor([0.996747, 0.996747, -0.771253, -0.771253]), atol=1e-5)
+    # visit 3 with all-equal rewards (0, 0, 0, 0): A_new = 0; mean_tot 0.25,
+    # var_tot = (2 * 0.307292 + 0 + (2/3) 0.375^2) / 3 = 0.236111, A_tot = -0.25 / 0.485913 = -0.514496.
+    # SA_new = (1/3) A_tot = -0.171499 beats SA_tot = (2/3) A_tot: no dead zone.
+    a3 = dppo.sas_advantages(torch.tensor([0.0, 0, 0, 0]), 4, [0], history)
+    assert torch.allclose(a3, torch.full((4,), -0.171499), atol=1e-5)
+    assert history[0][0] == 3 and history[0][1] == pytest.approx(0.25)
+
+
+def test_sas_takes_the_smaller_magnitude_per_completion():
+    """DCPO's SAS (arXiv 2509.02333): each completion takes whichever of SA_new, SA_tot is smaller in magnitude."""
+    history = {}
+    for rewards in ([1.0, 0, 0, 0], [1.0, 1, 0, 0]):
+        dppo.sas_advantages(torch.tensor(rewards), 4, ["x"], history)
+    # visit 3, R = (1, 0, 0, 0): A_new = (1.5, -0.5), A_tot = (1.234427, -0.617213) (mean_tot 1/3, std_tot 0.540062)
+    # SA_new = (1.411476, -0.539071), SA_tot = (1.322951, -0.578142): SA_tot wins for R = 1, SA_new for R = 0.
+    a3 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0]), 4, ["x"], history)
+    assert torch.allclose(a3, torch.tensor([1.322951, -0.539071, -0.539071, -0.539071]), atol=1e-5)
+
+
+def test_sas_keeps_each_prompts_history_by_its_key_not_its_position():
+    """DCPO's SAS (arXiv 2509.02333): a prompt's history follows its dataset index, wherever it sits in a batch."""
+    history = {}
+    # visit 1: "a" gets R = (1, 0, 0, 0), "b" R = (1, 1, 0, 0): both plain GRPO
+    dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, ["a", "b"], history)
+    # visit 2 in the other order, each prompt with the other's earlier rewards:
+    # "b", R = (1, 0, 0, 0): mean_new 0.25, std_new 0.5; mean_tot 0.375, var_tot = (1/3 + 0.25 + (1/2) 0.25^2) / 2
+    #   = 0.307292, std_tot 0.554339; A_new = (1.5, -0.5), A_tot = (1.127469, -0.676481); at i = 2 both mixtures
+    #   are the average: (1.313735, -0.588241).
+    # "a", R = (1, 1, 0, 0): as visit 2 of test_sas_on_a_hand_worked_sequence_of_visits: (0.996747, -0.771253).
+    # Keyed by position, the first group would see (1, 0, 0, 0) twice: std_tot 0.5 and A = (1.5, -0.5).
+    a2 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, ["b", "a"], history)
+    expected = [1.313735, -0.588241, -0.588241, -0.588241, 0.996747, 0.996747, -0.771253, -0.771253]
+    assert torch.allclose(a2, torch.tensor(expected), atol=1e-5)
+
+
+def test_epochs_revisit_every_prompt():
+    seen = [i for step in range(1, 5) for i in dppo.problem_batch(n_problems=8, batch_size=4, seed=0, step=step)]
+    assert sorted(seen[:8]) == sorted(seen[8:]) == list(range(8))  # 2 epochs of 2 steps
+    assert seen[:8] != seen[8:]  # each pass in its own order
+
+
+# ------------------------------------------- the objectives' tests, one objective at a time; first their shared helpers
+
+
+def logs(*ps) -> torch.Tensor:  # log-probabilities of the given probabilities, one (1, T) row
+    return torch.tensor(ps, dtype=torch.float64).log()[None]
+
+
+def d_loss_d_logp(loss, logp):  # d (sum of loss) / d log pi, per token
+    return torch.autograd.grad(loss.sum(), logp, retain_graph=True)[0]
+
+
+def near(x, rows) -> bool:  # a tensor against nested lists of hand-computed numbers
+    return torch.allclose(x.detach().double(), torch.tensor(rows, dtype=torch.float64))
+
+
+def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy_anchor=1.0):
+    """(pi, anchor) as objective_loss takes them, one token per entry: mu(a_t) = q, pi(a_t) = p, a second top-K
+    token of probability other_mu under mu and other_pi under pi (so the top-2 sets are valid distributions),
+    and the two entropies; each of the last four is one number or one per token. pi.logp requires grad."""
+    q, p = torch.tensor(q), torch.tensor(p)
+
+    def per_token(value):
+        return torch.as_tensor(value, dtype=torch.float32).expand_as(q)
+
+    pi = dppo.LogProbs(p.log().requires_grad_(), torch.stack([p, per_token(other_pi)], -1).log(), per_token(entropy_pi))
+    anchor = dppo.LogProbs(q.log(), torch.stack([q, per_token(other_mu)], -1).log(), per_token(entropy_anchor))
+    return pi, anchor
+
+
+LOG_1E12 = math.log(1e-12)  # the anchor's floor, restated here so the references share nothing with dppo.py
+
+
+def grad_of(loss_fn, logp, *args, **kwargs):
+    """(per-token loss, blocked, d(sum of the loss)/d logp): with one token per loss term, the per-token gradient."""
+    logp = logp.detach().clone().requires_grad_(True)
+    loss, blocked = loss_fn(logp, *args, **kwargs)
+    loss.sum().backward()
+    return loss.detach(), blocked, logp.grad
+
+
+def log(*values):
+    return torch.tensor(values, dtype=torch.float64).log().float()
+
+
+def random_batch(seed, batch=6, width=12):
+    """Binary-ish completions of random lengths (a full row, a 1-token row, an empty row), mu and pi apart by up to
+    ~0.3, garbage in the padding, advantages of both signs and one zero."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, width, (batch,), generator=g)
+    lengths[:3] = torch.tensor([width, 1, 0])[:batch]
+    mask = (torch.arange(width) < lengths[:, None]).float()
+    logit_mu = 2 * torch.randn(batch, width, generator=g)
+    logp_anchor = torch.nn.functional.logsigmoid(logit_mu)
+    logp = torch.nn.functional.logsigmoid(logit_mu + 0.8 * torch.randn(batch, width, generator=g))
+    padding = mask == 0
+    logp = torch.where(padding, 3 * torch.randn(batch, width, generator=g), logp)  # garbage, even log pi > 0
+    logp_anchor = torch.where(padding, -50 * torch.rand(batch, width, generator=g), logp_anchor)
+    advantages = torch.randn(batch, 1, generator=g)
+    advantages[3:4] = 0.0
+    return logp, logp_anchor, advantages, mask
+
+
+# ------------------------------------------------------------------ pg: no trust region, the DPPO paper's PG-IS control
+
+
+def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
+    """pg, the DPPO paper's PG-IS control (arXiv 2602.04879): -A sg(min(r, C)) log pi has the gradient -A r; nothing is
+    blocked."""
+    A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
+    logp_mu = torch.full_like(r, math.log(0.01))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, blocked = dppo.pg_loss(logp, logp_mu, A)
+    loss.sum().backward()
+    assert not blocked.any()
+    assert torch.allclose(logp.grad, torch.tensor([-0.2, 5.0, -60.0, 0.5]))
+
+
+def test_pg_caps_the_importance_weight_at_a_finite_is_cap():
+    # C = 3: weights min(r, 3) = (0.2, 3, 3, 1), gradient -A * min(r, C) = (-0.2, 3.0, -6.0, 0.5)
+    """pg with --is_cap C (the DPPO paper's PG-TIS, arXiv 2602.04879): the weight is min(r, C)."""
+    A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
+    logp_mu = torch.full_like(r, math.log(0.01))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, blocked = dppo.pg_loss(logp, logp_mu, A, is_cap=3.0)
+    loss.sum().backward()
+    assert not blocked.any()
+    assert torch.allclose(logp.grad, torch.tensor([-0.2, 3.0, -6.0, 0.5]))
+    assert torch.allclose(loss, logp.grad * logp.detach())  # l = -A * min(r, C) * log pi
+
+
+# ------------------------------------ ppo_clip: PPO's clip, DAPO's bounds, the dual clip, the DPPO paper's relaxed clip
 
 
 # (A, r, loss, d loss / d log pi, clip binds) with eps_low 0.2, eps_high 0.28, dual clip c = 10
@@ -480,6 +640,8 @@ PPO_CASES = [
 
 
 def test_ppo_clip_loss_and_gradient_on_hand_built_tensors():
+    """PPO's clipped surrogate (arXiv 1707.06347, eq. 7) with DAPO's bounds (arXiv 2503.14476, eq. 8) and the dual clip
+    (arXiv 1912.09729): losses and gradients by hand."""
     A, r, loss, grad, binds = (torch.tensor(column) for column in zip(*PPO_CASES))
     logp_mu = torch.full_like(r, -2.0)
     logp = (logp_mu + r.log()).requires_grad_()
@@ -506,6 +668,8 @@ PPO_ASYMMETRIC_CASES = [
 
 
 def test_ppo_clip_with_asymmetric_bounds_and_a_dual_clip_of_3():
+    """PPO (arXiv 1707.06347, eq. 7) with DAPO's decoupled eps_low != eps_high (arXiv 2503.14476, eq. 8) and a dual clip
+    of 3."""
     A, r, loss, grad, binds = (torch.tensor(column) for column in zip(*PPO_ASYMMETRIC_CASES))
     logp_mu = torch.full_like(r, math.log(0.1))
     logp = (logp_mu + r.log()).requires_grad_()
@@ -516,7 +680,304 @@ def test_ppo_clip_with_asymmetric_bounds_and_a_dual_clip_of_3():
     assert torch.equal(clipped, binds)
 
 
-# ---------------------------------------------------------------------------- DPPO divergences
+# The relaxed clip on one rare token (mu 0.05 < alpha = 0.1) and one common (mu 0.5), both moved away by r = 2 with
+# A = +1 or r = 0.5 with A = -1: the rare one escapes on the relaxed side, gradient -A * r = -2 or +0.5 (loss -2 or
+# +0.5); the common one is clipped as by ppo_clip (loss -1.28 or 0.8, no gradient). (A, r, relax) -> (rare blocked?)
+RELAXED_CASES = [
+    (+1.0, 2.0, "none", True),
+    (+1.0, 2.0, "high", False),
+    (+1.0, 2.0, "low", True),
+    (+1.0, 2.0, "both", False),
+    (-1.0, 0.5, "none", True),
+    (-1.0, 0.5, "high", True),
+    (-1.0, 0.5, "low", False),
+    (-1.0, 0.5, "both", False),
+]
+
+
+@pytest.mark.parametrize("A, r, relax, rare_blocked", RELAXED_CASES)
+def test_relaxed_clip_lets_rare_tokens_escape_on_its_side_only(A, r, relax, rare_blocked):
+    """The DPPO paper's relaxed clip (arXiv 2602.04879, section 6): a token with mu < alpha escapes the bound on its
+    side only."""
+    logp_mu = logs(0.05, 0.5)
+    logp = (logp_mu + math.log(r)).requires_grad_()
+    advantages = torch.full((1, 1), A, dtype=torch.float64)
+    loss, blocked = dppo.ppo_clip_loss(logp, logp_mu, advantages, 0.2, 0.28, 10.0, relax=relax, relax_below=0.1)
+    assert blocked.tolist() == [[rare_blocked, True]]
+    clipped = 1.28 if A > 0 else 0.8
+    assert near(loss, [[-A * (clipped if rare_blocked else r), -A * clipped]])
+    assert near(d_loss_d_logp(loss, logp), [[0.0 if rare_blocked else -A * r, 0.0]])
+    # moving back toward mu is never blocked, on any side: A > 0 with r = 0.5, A < 0 with r = 2 (< c)
+    assert not dppo.ppo_clip_loss(logp_mu - math.log(r), logp_mu, advantages, relax=relax)[1].any()
+    # --relax_clip and --relax_below reach their places: at 0.6 both tokens are rare
+    cfg = dppo.parse_config(["--relax_clip", relax, "--relax_below", "0.6"])
+    pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
+    assert dppo.objective_loss(cfg, pi, anchor, advantages, torch.ones(1, 2))[1].tolist() == [[rare_blocked] * 2]
+
+
+def test_relaxed_clip_matches_stable_rls_rule_on_a_grid():
+    # Stable-RL's ppo_ablation_positive / _negative / _both (_compute_token_mask_for_policy_loss) restated:
+    # A > 0: blocked iff r > 1.28, and mu >= alpha where the high side is relaxed; A < 0: iff r < 0.8, and mu >= alpha
+    # where the low side is. No dual clip there (c = inf). mu exactly alpha is not exempt. In fp32, as in training.
+    """The DPPO paper's relaxed clip (arXiv 2602.04879, section 6) against Stable-RL's ppo_ablation_* rule, on a
+    grid."""
+    r, mu = (
+        x.reshape(1, -1)
+        for x in torch.meshgrid(
+            torch.tensor([0.3, 0.79, 0.8, 0.81, 1.0, 1.27, 1.28, 1.29, 3.0]),
+            torch.tensor([0.01, 0.0999, 0.1, 0.5, 0.9]),
+            indexing="ij",
+        )
+    )
+    logp_mu = mu.log()
+    logp = logp_mu + r.log()
+    ratio, mu = torch.exp(logp - logp_mu), logp_mu.exp()  # what ppo_clip_loss compares
+    for relax in ("none", "high", "low", "both"):
+        alpha = mu[0, 2].item()  # mu = 0.1 as exp(log 0.1) rounds it: that token stays bounded
+        common = mu >= alpha
+        for A, side_blocked in (
+            (+1.0, (ratio > 1 + 0.28) & (common | (relax not in ("high", "both")))),
+            (-1.0, (ratio < 1 - 0.2) & (common | (relax not in ("low", "both")))),
+        ):
+            _, blocked = dppo.ppo_clip_loss(
+                logp, logp_mu, torch.full((1, 1), A), 0.2, 0.28, math.inf, relax=relax, relax_below=alpha
+            )
+            assert torch.equal(blocked, side_blocked), (A, relax)
+    none = dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1), relax="none", relax_below=0.99)  # alpha unused
+    assert all(torch.equal(a, b) for a, b in zip(none, dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1))))
+
+
+# ---------------------------------------------------------------------------- dcpo: DCPO's dynamic adaptive clipping
+
+
+@pytest.mark.parametrize(
+    "q, low, high",
+    [
+        (0.9, 0.667, 1.249),
+        (0.5, 0.500, 1.400),
+        (0.1, 0.500, 2.246),
+        (0.01, 0.500, 5.815),
+        (0.003, 0.500, 10.0),
+        (0.0001, 0.500, 10.0),
+    ],
+)
+def test_dcpo_bounds_match_the_worked_values(q, low, high):
+    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4), the roots of |r (r - 1)| q = eps: the worked values."""
+    ratio_low, ratio_high = dppo.dcpo_bounds(torch.tensor(q), eps_low=0.2, eps_high=0.28, r_max=10.0)
+    assert ratio_low.item() == pytest.approx(low, abs=5e-4) and ratio_high.item() == pytest.approx(high, abs=5e-4)
+
+
+def test_dcpo_clips_by_token_probability():
+    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]. PPO's [0.8, 1.28] would clip the first and third tokens;
+    # DCPO does not.
+    """DCPO (arXiv 2509.02333, eq. 4): the same ratio is clipped for a common token and not for a rare one."""
+    A, r = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]), torch.tensor([2.0, 2.5, 0.6, 0.4, 12.0])
+    logp_mu = torch.full_like(r, math.log(0.1))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, clipped = dppo.dcpo_loss(logp, logp_mu, A, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0)
+    loss.sum().backward()
+    assert clipped.tolist() == [False, True, False, True, True]
+    assert torch.allclose(logp.grad, torch.tensor([-2.0, 0.0, 0.6, 0.0, 0.0]))
+    assert torch.allclose(loss, torch.tensor([-2.0, -2.24643, 0.6, 0.5, 10.0]), atol=1e-4)
+
+
+def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip():
+    # eps_low 0.1, eps_high 0.3, r_max 3, c 5:
+    #   r_low = (1 + sqrt(max(1 - 0.4/q, 0))) / 2,  r_high = min((1 + sqrt(1 + 1.2/q)) / 2, 3)
+    #   q = 0.8:  (1 + sqrt(0.5)) / 2 = 0.853553,  (1 + sqrt(2.5)) / 2 = 1.290569
+    #   q = 0.5:  (1 + sqrt(0.2)) / 2 = 0.723607,  (1 + sqrt(3.4)) / 2 = 1.421954
+    #   q = 0.1:  1 - 4 < 0, so 0.5,                (1 + sqrt(13)) / 2 = 2.302776
+    #   q = 0.02: 0.5,                              (1 + sqrt(61)) / 2 = 4.405125, capped at r_max = 3
+    # Swapped eps would give [0.5, 1.112372] at q = 0.8, the default eps [0.5, 1.274597].
+    """DCPO (arXiv 2509.02333, eq. 4) with eps_low != eps_high, and r_max below the dual clip."""
+    low, high = dppo.dcpo_bounds(torch.tensor([0.8, 0.5, 0.1, 0.02]), eps_low=0.1, eps_high=0.3, r_max=3.0)
+    assert torch.allclose(low, torch.tensor([0.853553, 0.723607, 0.5, 0.5]), atol=1e-5)
+    assert torch.allclose(high, torch.tensor([1.290569, 1.421954, 2.302776, 3.0]), atol=1e-5)
+    # (A, q, r, loss, d loss / d log pi, clip binds)
+    rows = [
+        (+1.0, 0.5, 1.41, -1.41, -1.41, False),  # inside [0.723607, 1.421954] (the default eps clip at 1.4)
+        (-1.0, 0.8, 0.80, 0.853553, 0.0, True),  # below r_low = 0.853553: loss -A * r_low
+        (+1.0, 0.1, 2.20, -2.20, -2.20, False),  # a rare token's room: inside [0.5, 2.302776]
+        (+1.0, 0.02, 3.50, -3.00, 0.0, True),  # above r_max = 3 (r_max 5 or none: inside 4.405125)
+        (-1.0, 0.02, 4.00, 4.00, 4.00, False),  # A < 0, r < c = 5: not clipped (c = 3 would cap it)
+        (-1.0, 0.02, 6.00, 5.00, 0.0, True),  # A < 0, r > c: dual clip, loss -A * c = 5
+    ]
+    A, q, r, loss, grad, binds = (torch.tensor(column) for column in zip(*rows))
+    logp = (q.log() + r.log()).requires_grad_()
+    out, clipped = dppo.dcpo_loss(logp, q.log(), A, clip_low=0.1, clip_high=0.3, r_max=3.0, dual_clip=5.0)
+    out.sum().backward()
+    assert torch.equal(clipped, binds)
+    assert torch.allclose(out, loss, atol=1e-5)
+    assert torch.allclose(logp.grad, grad, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- erc: entropy ratio clipping
+
+
+def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_the_mean():
+    """ERC (arXiv 2512.05591): outside (1 - beta_low, 1 + beta_high) the entropy ratio takes the token's gradient, not
+    its place in the mean."""
+    A = torch.tensor([[1.0, 1.0, 1.0]])
+    logp_mu = torch.full((1, 3), math.log(0.5))
+    logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
+    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05); r = 1, 1.105, 0.905: ppo_clip clips none
+    loss, blocked = dppo.erc_loss(
+        logp, logp_mu, A, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_anchor=torch.ones(1, 3)
+    )
+    assert blocked.tolist() == [[False, True, False]]
+    mean = (loss * dppo.token_weights(torch.ones(1, 3), "token_mean")).sum()
+    mean.backward()
+    r = torch.tensor([1.0, math.exp(0.1), math.exp(-0.1)])
+    assert mean.item() == pytest.approx(-r.sum().item() / 3, rel=1e-6)  # the masked token still counts
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0 / 3, 0.0, -r[2].item() / 3]]))  # denominator 3, not 2
+
+
+# (A, r, H_pi, H_old, loss, d loss / d log pi, blocked) for ERC with beta_low 0.1, beta_high 0.02 (kept where
+# 0.9 < rho < 1.02, rho = (H_pi + 1e-8) / (H_old + 1e-8)) on ppo_clip with eps 0.1 / 0.4 (r in [0.9, 1.4]) and c = 3.
+# Swapped betas the band would be (0.98, 1.1), the defaults (0.95, 1.05); the inverted ratio turns 0.91 into 1.099.
+ERC_ASYMMETRIC_CASES = [
+    (+1.0, 1.1, 1.82, 2.0, -1.1, -1.1, False),  # rho 0.91: just inside the low side
+    (+1.0, 1.1, 1.78, 2.0, -1.1, 0.0, True),  # rho 0.89: just outside the low side: the value stays, no gradient
+    (+1.0, 1.1, 2.02, 2.0, -1.1, -1.1, False),  # rho 1.01: just inside the high side
+    (+1.0, 1.1, 2.06, 2.0, -1.1, 0.0, True),  # rho 1.03: just outside the high side
+    (+1.0, 1.1, 0.0, 0.0, -1.1, -1.1, False),  # both entropies 0: rho = 1e-8 / 1e-8 = 1, kept
+    (+1.0, 1.5, 2.0, 2.0, -1.4, 0.0, True),  # rho 1, but ppo_clip clips r above 1 + 0.4
+    (-1.0, 0.8, 2.0, 2.0, 0.9, 0.0, True),  # rho 1, ppo_clip clips r below 1 - 0.1
+    (-1.0, 4.0, 2.0, 2.0, 3.0, 0.0, True),  # rho 1, dual clip: -A * c = 3
+    (-1.0, 1.2, 2.0, 2.0, 1.2, 1.2, False),  # rho 1, nothing binds: -A * r
+]
+
+
+def test_erc_with_asymmetric_betas_on_top_of_an_asymmetric_ppo_clip():
+    """ERC (arXiv 2512.05591) with beta_low != beta_high, on PPO's clip (arXiv 1707.06347, eq. 7) with its own
+    asymmetric bounds."""
+    A, r, entropy_pi, entropy_anchor, loss, grad, blocked = (
+        torch.tensor(column) for column in zip(*ERC_ASYMMETRIC_CASES)
+    )
+    logp_mu = torch.full_like(r, math.log(0.1))
+    logp = (logp_mu + r.log()).requires_grad_()
+    out, out_blocked = dppo.erc_loss(
+        logp,
+        logp_mu,
+        A,
+        entropy_pi,
+        entropy_anchor,
+        clip_low=0.1,
+        clip_high=0.4,
+        dual_clip=3.0,
+        beta_low=0.1,
+        beta_high=0.02,
+    )
+    out.sum().backward()
+    assert torch.equal(out_blocked, blocked)
+    assert torch.allclose(out, loss, atol=1e-5)  # a masked token keeps its value: it still counts in the mean
+    assert torch.allclose(logp.grad, grad, atol=1e-5)
+
+
+def test_erc_counts_as_blocked_only_tokens_with_a_gradient_to_lose(tiny_policy):
+    """ERC (arXiv 2512.05591) masks a token whose entropy ratio leaves its band whatever its advantage; a token with
+    A = 0 has no gradient to lose, so the blocked shares count it nowhere: the rare blocked share is then at most the
+    blocked share (every token here is rare: mu(a_t) is about 1/300)."""
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    A[::2] = 0.0
+    mu = rollout.mu._replace(entropy=rollout.mu.entropy * 2)  # every entropy ratio near 1/2: out of the band
+    rollout = dataclasses.replace(rollout, mu=mu, anchor=mu)
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
+    metrics = dppo.update_policy(model, frozen, rollout, A, config(objective="erc", updates_per_step=1))
+    m = rollout.completion_mask.bool()
+    assert metrics["erc/kept_frac"] == 0 and metrics["policy/rare_token_frac"] == 1
+    with_a_gradient = (m & (A != 0)[:, None]).sum().item() / m.sum().item()
+    assert metrics["trust_region/blocked_frac"] == pytest.approx(with_a_gradient)
+    assert metrics["trust_region/blocked_rare_frac"] == pytest.approx(with_a_gradient)
+
+
+# ---------------------------------------------------------------------------- cispo: the clipped importance weight
+
+
+# (A, r, d loss / d log pi) for CISPO with eps 0.2 / 0.28: the weight is clip(r, 0.8, 1.28), no gradient through it
+CISPO_CASES = [
+    (+2.0, 1.5, -2.56),  # weight clipped to 1.28: -A * 1.28 (ppo_clip blocks the token)
+    (-1.0, 0.5, 0.8),  # weight clipped to 0.8: -A * 0.8 (ppo_clip blocks the token)
+    (+1.0, 1.1, -1.1),  # inside: -A * r (were r differentiated too: -1.1 * (1 + log 0.44) = -0.1969)
+    (-1.0, 1.5, 1.28),  # A < 0, moving back: the weight is still clipped
+    (+1.0, 0.5, -0.8),  # A > 0, moving back: likewise
+]
+
+
+def test_cispo_clips_the_weight_and_never_the_token():
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): -sg(clip(r)) A log pi; the weight is clipped, no token
+    blocked."""
+    A, r, grad = (torch.tensor(column, dtype=torch.float64) for column in zip(*CISPO_CASES))
+    logp_mu = torch.full_like(r, math.log(0.4))
+    logp = (logp_mu + r.log()).requires_grad_()
+    loss, blocked = dppo.cispo_loss(logp, logp_mu, A, clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(d_loss_d_logp(loss, logp), grad)
+    assert torch.allclose(loss, grad * logp.detach())  # l = -sg(clip(r)) * A * log pi
+    assert not blocked.any()
+    assert dppo.ppo_clip_loss(logp, logp_mu, A)[1].tolist() == [True, True, False, False, False]
+
+
+def test_cispo_defaults_leave_no_lower_bound_and_cap_the_weight_at_5():
+    # defaults eps 1 / 4: weight clip(r, 0, 5). r = 0.01 (pi 0.001, mu 0.1) keeps 0.01; r = 50 (0.5 / 0.01) gets 5.
+    """CISPO's defaults (MiniMax-M1, arXiv 2506.13585, section 3.1; ScaleRL's cap of 5): the weight in [0, 5]."""
+    logp, logp_mu, A = logs(0.001, 0.5).requires_grad_(), logs(0.1, 0.01), torch.ones(1, 1, dtype=torch.float64)
+    assert near(d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A)[0], logp), [[-0.01, -5.0]])
+    assert dppo.parse_config(["--objective", "cispo"]).clip_low == 1.0  # allowed: 1 - eps_low = 0, no lower bound
+    # C = inf: plain importance weighting, -A * 50; a ratio exactly at 1 + eps_high is not clipped
+    assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 1.0, math.inf)[0], logp)[0, 1].item() == pytest.approx(-50.0)
+    r = torch.exp(logp - logp_mu)[0, 1].item()
+    assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 0.2, r - 1)[0], logp)[0, 1].item() == -r
+
+
+# ---------------------------------------------------------------------------- gspo: one ratio per completion
+
+
+def test_gspo_takes_one_ratio_per_completion_over_its_real_tokens_whatever_the_padding():
+    # Completion 1, 3 tokens, log(pi/mu) = 0.3, -0.1, 0.1: mean 0.1, s_1 = e^0.1 = 1.10517 > 1 + 4e-4: clipped and
+    # blocked for A > 0, loss -1.0004 on each token, no gradient. Completion 2, 2 tokens and a padding slot,
+    # log(pi/mu) = 2e-4, 4e-4: s_2 = e^3e-4 = 1.00030005 inside [1 - 3e-4, 1 + 4e-4]: loss and d loss_t / d log pi_t
+    # = -A * s_2, each token's own only (s_it = sg(s_i) * pi_t / sg(pi_t)). The padding slot's content changes nothing.
+    """GSPO (arXiv 2507.18071, GSPO-token): one length-normalised ratio per completion, over its real tokens only."""
+    logp_mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, 0.0]], dtype=torch.float64)
+    mask, A, s2 = torch.tensor([[1.0, 1, 1], [1, 1, 0]]), torch.ones(2, 1, dtype=torch.float64), math.exp(3e-4)
+    for pad in (math.nan, 7.0, -30.0, 0.0):
+        logp = logp_mu + torch.tensor([[0.3, -0.1, 0.1], [2e-4, 4e-4, 0.0]], dtype=torch.float64)
+        logp[1, 2] = pad
+        logp.requires_grad_()
+        loss, blocked = dppo.gspo_loss(logp, logp_mu, A, mask)
+        assert near(loss[:, :2], [[-1.0004, -1.0004], [-s2, -s2]]) and loss[0, 2].item() == pytest.approx(-1.0004)
+        assert blocked.tolist() == [[True, True, True], [False, False, False]]  # padding is never marked
+        assert near(d_loss_d_logp(loss * mask, logp), [[0.0, 0.0, 0.0], [-s2, -s2, 0.0]])
+        assert near(d_loss_d_logp(loss[1, 0], logp), [[0.0, 0.0, 0.0], [-s2, 0.0, 0.0]])
+    # objective_loss hands gspo the completion mask: were the (0.0) padding slot counted, s_2 would be e^2e-4
+    pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
+    cfg = dppo.parse_config(["--objective", "gspo"])
+    assert torch.equal(dppo.objective_loss(cfg, pi, anchor, A, mask)[0], loss)
+
+
+def test_gspo_with_negative_advantages_at_its_bounds_and_on_policy():
+    # A = -1. Completion 1, s = e^0.1 = 1.10517 > 1 + eps_high: the unclipped side for A < 0, gradient -A * s per
+    # token. Completion 2, log ratios -0.01: s = e^-0.01 < 1 - 3e-4: blocked, loss -A * (1 - 3e-4) = 0.9997.
+    """GSPO (arXiv 2507.18071, GSPO-token) with A < 0: its bounds, and s = 1 on policy."""
+    logp_mu = torch.tensor([[-1.0, -2.0], [-0.7, -1.2]], dtype=torch.float64)
+    logp = (logp_mu + torch.tensor([[0.1, 0.1], [-0.01, -0.01]], dtype=torch.float64)).requires_grad_()
+    loss, blocked = dppo.gspo_loss(logp, logp_mu, -torch.ones(2, 1, dtype=torch.float64), torch.ones(2, 2))
+    assert near(d_loss_d_logp(loss, logp), [[math.exp(0.1)] * 2, [0.0, 0.0]])
+    assert blocked.tolist() == [[False, False], [True, True]] and near(loss[1], [0.9997, 0.9997])
+    # s exactly on the upper bound (eps_high = s - 1, s as the mean of the row's log ratios gives it): not blocked,
+    # the whole gradient -A * s
+    logp = (logp_mu[:1] + 0.001).requires_grad_()
+    s = torch.exp((logp - logp_mu[:1]).sum() / 2).item()  # e^0.001, to the last bit as gspo_loss computes it
+    loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.ones(1, 1), torch.ones(1, 2), 3e-4, s - 1)
+    assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-s, -s]])
+    # on policy, s = 1: gradient -A on every real token, nothing blocked
+    logp = logp_mu[:1].clone().requires_grad_()
+    loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.full((1, 1), 0.5), torch.tensor([[1.0, 0.0]]))
+    assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-0.5, 0.0]])
+
+
+# ---------------------------------------- DPPO: binary_tv, binary_kl, topk_tv, topk_kl (the divergences, then the mask)
 
 
 # The exact full-vocabulary divergences, that the binary and top-K ones bound from below.
@@ -529,6 +990,7 @@ def full_kl(logits_mu, logits_pi):
 
 
 def test_divergences_binary_tv_binary_kl_topk_tv_topk_kl_on_hand_built_distributions():
+    """DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix) on hand-built distributions."""
     log = torch.tensor([0.5, 0.9]).log()
     q, p = log[0:1], log[1:2]  # mu(a_t) = 0.5, pi(a_t) = 0.9
     assert torch.allclose(dppo.binary_tv(q, p), torch.tensor([0.4]))
@@ -545,6 +1007,7 @@ def test_binary_kl_and_topk_kl_are_kl_of_mu_from_pi_with_mu_first():
     # KL is not symmetric, so the order is pinned: D(mu, pi) = KL(mu || pi) = sum mu log(mu / pi).
     # Binary, q = 0.5, p = 0.9: KL(mu || pi) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = -0.293893 + 0.804719 = 0.510826;
     # the reverse, KL(pi || mu) = 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5) = 0.529008 - 0.160944 = 0.368064.
+    """DPPO's KL divergences (arXiv 2602.04879, eq. 14) are KL(mu || pi), mu first."""
     q, p = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.9)])
     assert dppo.binary_kl(q, p).item() == pytest.approx(0.510826, abs=1e-5)
     assert dppo.binary_kl(p, q).item() == pytest.approx(0.368064, abs=1e-5)
@@ -564,6 +1027,7 @@ def test_binary_kl_and_topk_kl_are_kl_of_mu_from_pi_with_mu_first():
 
 
 def test_divergences_stay_finite_at_probabilities_0_and_1():
+    """DPPO's divergences (arXiv 2602.04879, eqs. 13-14) at p, q of 0 and 1."""
     certain, impossible, half = torch.tensor([0.0]), torch.tensor([-math.inf]), torch.tensor([math.log(0.5)])
     for q, p in [(certain, half), (half, certain), (certain, certain), (impossible, half), (half, impossible)]:
         assert torch.isfinite(dppo.binary_tv(q, p)).all() and torch.isfinite(dppo.binary_kl(q, p)).all()
@@ -576,6 +1040,7 @@ def test_divergences_stay_finite_at_probabilities_0_and_1():
 def test_binary_kl_keeps_its_digits_near_probability_1():
     # q = 0.998, p = 0.999: the (1-q) log((1-q)/(1-p)) term dominates. In double precision the KL is
     # 0.998 ln(0.998/0.999) + 0.002 ln(2) = -0.00099950 + 0.00138629 = 0.00038679.
+    """DPPO's binary KL (arXiv 2602.04879, eq. 14) near p = 1, where log(1 - p) loses everything in a naive form."""
     q, p = torch.tensor([math.log(0.998)]), torch.tensor([math.log(0.999)])
     assert dppo.binary_kl(q, p).item() == pytest.approx(0.00038679, rel=1e-3)
     # log q = -1e-6, log p = -2e-6 (fp32): 1 - q = 9.999995e-7, 1 - p = 1.999998e-6, so
@@ -603,6 +1068,7 @@ def topk_with_sampled(logits_mu, sampled, k):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_binary_le_topk_le_full_vocabulary(seed):
+    """DPPO's appendix: a coarser partition lower-bounds the divergence: binary <= top-K <= the full vocabulary's."""
     logits_mu, logits_pi, sampled = random_distributions(seed)
     logp_mu, logp_pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
     q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
@@ -617,6 +1083,7 @@ def test_binary_le_topk_le_full_vocabulary(seed):
 
 
 def test_divergences_are_exact_when_the_partition_is():
+    """DPPO's appendix: when mu and pi put all their mass on the top K, the top-K divergences are the full ones."""
     logits_mu, logits_pi, sampled = random_distributions(seed=3, vocab=6)
     logp_mu, logp_pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
     q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
@@ -632,11 +1099,10 @@ def test_divergences_are_exact_when_the_partition_is():
         assert torch.allclose(topk(logp_mu.gather(-1, one), logp_pi.gather(-1, one)), binary(q, p), atol=1e-5)
 
 
-# ---------------------------------------------------------------------------- objectives
-
-
 def test_dppo_mask_of_binary_tv_binary_kl_topk_tv_topk_kl_rows_thresholds_and_gradient():
     # (A, r, D, blocked): delta_low = delta_high = 0.15 here; q = 0.4 for every token
+    """DPPO's mask (arXiv 2602.04879, eq. 11) and loss (eq. 12) row by row: blocked only moving away past delta; the
+    gradient."""
     rows = [
         (+1.0, 1.5, 0.16, True),  # A > 0, p rises past the threshold: blocked
         (+1.0, 1.5, 0.15, False),  # D exactly at delta: not blocked (M = 0 only if D > delta)
@@ -657,6 +1123,8 @@ def test_dppo_mask_of_binary_tv_binary_kl_topk_tv_topk_kl_rows_thresholds_and_gr
 
 
 def test_dppo_separate_thresholds_and_the_importance_weight_cap():
+    """DPPO (arXiv 2602.04879, eqs. 11-12): delta_low and delta_high each act on their own side; the weight min(r,
+    C)."""
     A, r, D = torch.tensor([1.0, -1.0]), torch.tensor([3.0, 0.5]), torch.tensor([0.1, 0.1])
     logp_mu = torch.full_like(r, math.log(0.2))
     _, blocked = dppo.dppo_loss(logp_mu + r.log(), logp_mu, A, D, delta_low=0.05, delta_high=0.2)
@@ -669,6 +1137,7 @@ def test_dppo_separate_thresholds_and_the_importance_weight_cap():
 
 def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
     # (A, q, r, D, blocked) with delta_low 0.3, delta_high 0.1 and C = 2.5: swapped thresholds flip rows 1 and 4
+    """DPPO (arXiv 2602.04879, eqs. 11-12) with delta_low != delta_high and a finite C."""
     rows = [
         (+1.0, 0.5, 1.2, 0.12, True),  # A > 0, p rises, D > delta_high = 0.1
         (+1.0, 0.5, 1.2, 0.08, False),  # D <= delta_high
@@ -690,20 +1159,6 @@ def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
     assert torch.allclose(loss, grad * logp.detach(), atol=1e-5)  # l = -A * min(r, C) * M * log pi
 
 
-def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy_anchor=1.0):
-    """(pi, anchor) as objective_loss takes them, one token per entry: mu(a_t) = q, pi(a_t) = p, a second top-K
-    token of probability other_mu under mu and other_pi under pi (so the top-2 sets are valid distributions),
-    and the two entropies; each of the last four is one number or one per token. pi.logp requires grad."""
-    q, p = torch.tensor(q), torch.tensor(p)
-
-    def per_token(value):
-        return torch.as_tensor(value, dtype=torch.float32).expand_as(q)
-
-    pi = dppo.LogProbs(p.log().requires_grad_(), torch.stack([p, per_token(other_pi)], -1).log(), per_token(entropy_pi))
-    anchor = dppo.LogProbs(q.log(), torch.stack([q, per_token(other_mu)], -1).log(), per_token(entropy_anchor))
-    return pi, anchor
-
-
 # q = 0.5 everywhere, mu = (0.5, 0.05 | 0.45) on the top-2 partition, pi's second token 0.05 too. Big moves (p = 0.9
 # or 0.1), all past both defaults (0.15 TV, 0.05 KL):
 #   binary TV |p - q| = 0.4; top-2 TV (0.4 + 0 + 0.4) / 2 = 0.4
@@ -713,6 +1168,8 @@ def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy
 # A small move (p = 0.52 or 0.48) is inside every region: TV 0.02; binary KL -0.5 ln 0.9984 = 0.000801;
 # top-2 KL at 0.52: -0.019610 + 0.020458 = 0.000848, at 0.48: 0.020411 - 0.019568 = 0.000843.
 DPPO_VARIANT_P = [0.9, 0.1, 0.1, 0.9, 0.52, 0.48, 0.9]
+
+
 DPPO_VARIANT_DIVERGENCES = {
     "binary_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
     "binary_kl": [0.510826, 0.510826, 0.510826, 0.510826, 0.000801, 0.000801, 0.510826],
@@ -723,6 +1180,7 @@ DPPO_VARIANT_DIVERGENCES = {
 
 @pytest.mark.parametrize("objective", ["binary_tv", "binary_kl", "topk_tv", "topk_kl"])
 def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
+    """DPPO's mask (arXiv 2602.04879, eq. 11) with each divergence: a move back toward mu is never blocked."""
     A = torch.tensor([+1.0, +1.0, -1.0, -1.0, +1.0, -1.0, 0.0])
     expected = [True, False, True, False, False, False, False]
     pi, anchor = objective_inputs([0.5] * 7, DPPO_VARIANT_P)
@@ -741,6 +1199,365 @@ def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
     loss.sum().backward()
     r = torch.tensor(DPPO_VARIANT_P) / 0.5
     assert torch.allclose(pi.logp.grad, -A * r * ~torch.tensor(expected))
+
+
+# ------------------------------- DPPO's sequels: drpo and cppo, against plain-Python references of the papers' formulas
+
+
+def reference_drpo(logp, logp_anchor, advantages, delta):
+    """Per token: l = -A r + |A| mu (r - 1)^2 / (2 delta), r = exp(clamp(log pi - log mu, -20, 20)); its gradient
+    w.r.t. log pi is -A r w, w = 1 - sign(A (r - 1)) |pi - mu| / delta, and 0 where the clamp binds; blocked: w <= 0."""
+    losses, grads, weights = [], [], []
+    for lp_row, la_row, a in zip(logp.tolist(), logp_anchor.tolist(), advantages.flatten().tolist()):
+        loss_row, grad_row, weight_row = [], [], []
+        for lp, la in zip(lp_row, la_row):
+            la = max(la, LOG_1E12)
+            log_r = lp - la
+            r = math.exp(min(max(log_r, -20.0), 20.0))
+            mu, pi = math.exp(la), math.exp(lp)
+            sign = (a * (r - 1) > 0) - (a * (r - 1) < 0)
+            w = 1 - sign * abs(pi - mu) / delta
+            loss_row.append(-a * r + abs(a) * mu * (r - 1) ** 2 / (2 * delta))
+            grad_row.append(-a * r * w if -20.0 < log_r < 20.0 else 0.0)
+            weight_row.append(w)
+        losses.append(loss_row)
+        grads.append(grad_row)
+        weights.append(weight_row)
+    return (torch.tensor(x, dtype=torch.float64) for x in (losses, grads, weights))
+
+
+def quantile_linear(values, q):
+    """The q-quantile with linear interpolation between order statistics at q (n - 1) (numpy's and torch's default)."""
+    ranked = sorted(values)
+    at = q * (len(ranked) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ranked) - 1)
+    return ranked[low] + (at - low) * (ranked[high] - ranked[low])
+
+
+def quantile_lower(values, q):
+    """The q-quantile without interpolation: the order statistic below q (n - 1), numpy's 'lower'."""
+    return sorted(values)[math.floor(q * (len(values) - 1))]
+
+
+def reference_cppo(logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap=math.inf, quantile=None):
+    """Per completion over its T real tokens (right padding): D, w, Z, S, W, delta_b, c and M as SPEC writes them.
+    Returns blocked, the gradient of l = -A sg(min(r, C)) M log pi w.r.t. log pi, and each token's |Z - c|."""
+    blocked, grads, margins = [], [], []
+    rows = zip(logp.tolist(), logp_anchor.tolist(), advantages.flatten().tolist(), mask.tolist())
+    for lp_row, la_row, a, m_row in rows:
+        length = int(sum(m_row))
+        blocked_row, grad_row, margin_row = [False] * len(m_row), [0.0] * len(m_row), [math.inf] * len(m_row)
+        if length == 0:
+            blocked.append(blocked_row)
+            grads.append(grad_row)
+            margins.append(margin_row)
+            continue
+        la_row = [max(la, LOG_1E12) for la in la_row[:length]]
+        d = [abs(math.exp(lp) - math.exp(la)) for lp, la in zip(lp_row, la_row)]
+        delta_b = min(max((quantile or quantile_linear)(d, 0.9), delta_b_min), 2 * delta_b_min)
+        spent = weight_before = 0.0
+        for t in range(1, length + 1):
+            w = 1 - (1 - w_min) * (t - 1) / (length - 1) if length > 1 else 1.0
+            z = w * d[t - 1]
+            c = min(delta, delta + delta_b * weight_before - spent)
+            r = math.exp(lp_row[t - 1] - la_row[t - 1])
+            blocked_row[t - 1] = a * (r - 1) > 0 and z > c
+            grad_row[t - 1] = 0.0 if blocked_row[t - 1] else -a * min(r, is_cap)
+            margin_row[t - 1] = abs(z - c)
+            spent += z
+            weight_before += w
+        blocked.append(blocked_row)
+        grads.append(grad_row)
+        margins.append(margin_row)
+    return torch.tensor(blocked), torch.tensor(grads, dtype=torch.float64), torch.tensor(margins, dtype=torch.float64)
+
+
+def test_drpo_value_and_gradient_by_hand():
+    """DRPO (arXiv 2606.09821, eq. 8; gradient eq. 9): value and gradient by hand."""
+    delta = 0.5
+    logp = torch.tensor([[-0.9, math.log(0.3)], [math.log(0.1), math.log(0.9)]])
+    logp_anchor = torch.tensor([[-1.0, math.log(0.9)], [math.log(0.4), math.log(0.2)]])
+    advantages = torch.tensor([[1.0], [-2.0]])
+    # A = 1, mu = e^-1 = 0.367879, pi = e^-0.9 = 0.406570, r = e^0.1 = 1.105171, D = 0.038690 (away):
+    #   l = -1.105171 + 0.367879 * 0.105171^2 / 1 = -1.105171 + 0.004069 = -1.101102
+    #   w = 1 - 0.038690 / 0.5 = 0.922620,  grad = -A r w = -1.105171 * 0.922620 = -1.019652
+    # A = 1, mu = 0.9, pi = 0.3, r = 1/3, D = 0.6 (back toward mu):
+    #   l = -0.333333 + 0.9 * (2/3)^2 / 1 = -0.333333 + 0.4 = 0.066667
+    #   w = 1 + 0.6 / 0.5 = 2.2,  grad = -(1/3) * 2.2 = -0.733333
+    # A = -2, mu = 0.4, pi = 0.1, r = 0.25, D = 0.3 (away, A < 0 and pi < mu):
+    #   l = 2 * 0.25 + 2 * 0.4 * 0.75^2 / 1 = 0.5 + 0.45 = 0.95
+    #   w = 1 - 0.3 / 0.5 = 0.4,  grad = 2 * 0.25 * 0.4 = 0.2
+    # A = -2, mu = 0.2, pi = 0.9, r = 4.5, D = 0.7 > delta but back toward mu:
+    #   l = 2 * 4.5 + 2 * 0.2 * 3.5^2 / 1 = 9 + 4.9 = 13.9
+    #   w = 1 + 0.7 / 0.5 = 2.4,  grad = 2 * 4.5 * 2.4 = 21.6
+    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    torch.testing.assert_close(loss, torch.tensor([[-1.101102, 0.066667], [0.95, 13.9]]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, torch.tensor([[-1.019652, -0.733333], [0.2, 21.6]]), rtol=1e-5, atol=1e-5)
+    assert not blocked.any()
+
+
+def test_drpo_weight_crosses_zero_at_delta():
+    """DRPO's weight (arXiv 2606.09821, Table 1) w = 1 - sign(A (r - 1)) |pi - mu| / delta crosses 0 at D = delta."""
+    delta = 0.1
+    # mu = 0.5; pi = 0.599, 0.601 (A = 1) and 0.401, 0.399 (A = -1): D = 0.099, 0.101, moving away from mu.
+    #   D = 0.099: w = 1 - 0.99 = 0.01;   D = 0.101: w = 1 - 1.01 = -0.01 (blocked: gradient pushes back)
+    #   A = 1:  grad = -r w = -(0.599 / 0.5) * 0.01 = -0.01198  and  +(0.601 / 0.5) * 0.01 = +0.01202
+    #   A = -1: grad = +r w = (0.401 / 0.5) * 0.01 = 0.00802  and  -(0.399 / 0.5) * 0.01 = -0.00798
+    logp = torch.stack([log(0.599, 0.601), log(0.401, 0.399)])
+    logp_anchor = log(0.5, 0.5).expand(2, 2)
+    advantages = torch.tensor([[1.0], [-1.0]])
+    _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    assert blocked.tolist() == [[False, True], [False, True]]
+    torch.testing.assert_close(grad, torch.tensor([[-0.01198, 0.01202], [0.00802, -0.00798]]), rtol=0, atol=2e-6)
+
+
+def test_drpo_never_blocks_a_token_moving_back_toward_mu():
+    """DRPO (arXiv 2606.09821, eq. 9): a token moving back toward mu is boosted, never blocked."""
+    delta = 0.1  # small: D reaches 5 delta here
+    p = torch.tensor([0.001, 0.1, 0.3, 0.49])
+    logp = torch.stack([p.log(), (1 - p).log()])  # A > 0 with pi < mu, then A < 0 with pi > mu
+    logp_anchor = torch.full((2, 4), math.log(0.5))
+    advantages = torch.tensor([[1.0], [-1.0]])
+    _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    assert not blocked.any()
+    # boosted, never reversed: w = 1 + D / delta > 1, so grad = -A r w has the sign of -A and |grad| > r
+    ratio = (logp - logp_anchor).exp()
+    assert (grad[0] < -ratio[0]).all() and (grad[1] > ratio[1]).all()
+
+
+def test_drpo_a_zero_advantage_gives_no_loss_no_gradient_and_is_not_blocked():
+    """DRPO (arXiv 2606.09821, eq. 8): A = 0 gives no loss and no gradient."""
+    logp, logp_anchor = log(0.1, 0.9, 0.5).expand(2, 3), log(0.9, 0.1, 0.5).expand(2, 3)
+    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, torch.zeros(2, 1), delta=0.1)
+    assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
+
+
+@pytest.mark.parametrize("delta", [12.5, 0.1])
+@pytest.mark.parametrize("seed", range(4))
+def test_drpo_gradient_is_minus_a_r_w_as_the_reference(seed, delta):
+    """DRPO (arXiv 2606.09821, eq. 9): the gradient -A r w against a plain-Python reference on random batches."""
+    logp, logp_anchor, advantages, _ = random_batch(seed)
+    logp = logp.clamp(max=0)  # no mask in DRPO: keep the padding's garbage a probability
+    logp_anchor[4, :3] = torch.tensor([-30.0, -float("inf"), -25.0])  # log r beyond 20: the clamp binds, no gradient
+    logp[4, :3] = -0.1
+    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
+    ref_loss, ref_grad, ref_weight = reference_drpo(logp, logp_anchor, advantages, delta)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad.float(), rtol=1e-4, atol=1e-5)
+    clear = ref_weight.abs() > 1e-5  # leave out ties at w = 0 (none expected)
+    assert torch.equal(blocked[clear], (ref_weight <= 0)[clear])
+    if delta == 12.5:  # D <= 1, so at the paper's delta the weight stays within [1 - 1/12.5, 1 + 1/12.5]
+        assert not blocked.any() and ((ref_weight - 1).abs() <= 0.08 + 1e-9).all()
+    assert (grad[4, :3] == 0).all()
+
+
+def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
+    # One completion, T = 5, A = 1, mu = 0.5, pi = 0.64, 0.60, 0.45, 0.50, 0.52; delta 0.15, w_min 0.8, delta_b_min 0.02
+    #   D = 0.14, 0.10, 0.05 (back toward mu: pi < mu), 0 (pi = mu), 0.02
+    #   w = 1 - 0.2 (t - 1) / 4 = 1, 0.95, 0.90, 0.85, 0.80;  Z = w D = 0.14, 0.095, 0.045, 0, 0.016
+    #   S_{t-1} = 0, 0.14, 0.235, 0.28, 0.28;  W_{t-1} = 0, 1, 1.95, 2.85, 3.7
+    #   quantile_0.9: sorted D = 0, 0.02, 0.05, 0.10, 0.14, at 0.9 * 4 = 3.6: 0.10 + 0.6 * 0.04 = 0.124
+    #   delta_b = clamp(0.124, 0.02, 0.04) = 0.04
+    #   c = min(0.15, 0.15 + 0.04 W - S) = 0.15, 0.05, -0.007, -0.016, 0.018
+    #   t1: Z 0.14 <= 0.15 kept;  t2: Z 0.095 > 0.05 BLOCKED by the budget although Z <= delta (DPPO keeps it);
+    #   t3: Z 0.045 > -0.007 but moving back: kept;  t4: r = 1, A (r - 1) = 0: kept;  t5: Z 0.016 <= 0.018 kept
+    """CPPO (arXiv 2606.10968, eqs. 8-11, Algorithm 1): an early drift spends the budget of a later token."""
+    pi = log(0.64, 0.60, 0.45, 0.50, 0.52)[None]
+    mu = log(0.5, 0.5, 0.5, 0.5, 0.5)[None]
+    _, blocked, grad = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5))
+    assert blocked.tolist() == [[False, True, False, False, False]]
+    # kept tokens: grad = -A r = -pi / mu
+    torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))
+    # the same row inside a padded batch, beside a longer completion: unchanged
+    padded_pi = torch.cat([torch.cat([pi, torch.zeros(1, 3)], 1), log(*[0.9] * 8)[None]])
+    padded_mu = torch.cat([torch.cat([mu, torch.zeros(1, 3)], 1), log(*[0.3] * 8)[None]])
+    padded_mask = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 8])
+    _, padded_blocked, padded_grad = grad_of(dppo.cppo_loss, padded_pi, padded_mu, torch.ones(2, 1), padded_mask)
+    assert torch.equal(padded_blocked[0, :5], blocked[0]) and not padded_blocked[0, 5:].any()
+    torch.testing.assert_close(padded_grad[0], torch.cat([grad[0], torch.zeros(3)]))
+    # the upper clamp decides t2: with 2 delta_b_min = 0.10, delta_b = 0.10 and c2 = 0.15 + 0.10 - 0.14 = 0.11 >= 0.095
+    _, wider, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5), delta_b_min=0.05)
+    assert not wider.any()
+
+
+def test_cppo_quantile_interpolates_linearly_as_unirl():
+    # T = 4, w_min = 1 (w = 1), A = 1, mu = 0.5, D = 0.20, 0.14, 0.10, 0.02 (all away); delta 0.15, delta_b_min 0.10
+    #   sorted D = 0.02, 0.10, 0.14, 0.20; at 0.9 * 3 = 2.7: linear 0.14 + 0.7 * 0.06 = 0.182 (in [0.10, 0.20])
+    #   (rule "lower" would give 0.14, "higher" and "nearest" 0.20)
+    #   S_{t-1} = 0, 0.20, 0.34, 0.44;  c = min(0.15, 0.15 + delta_b (t - 1) - S_{t-1})
+    #   linear 0.182: c = 0.15, 0.132, 0.15, 0.15  -> blocked: t1 (0.20 > 0.15), t2 (0.14 > 0.132)
+    #   lower  0.14:  c = 0.15, 0.09, 0.09, 0.13   -> t1, t2, t3 (0.10 > 0.09)
+    #   higher 0.20:  c = 0.15, 0.15, 0.15, 0.15   -> t1 only
+    """CPPO's delta_b (arXiv 2606.10968, eq. 22): the 0.9-quantile interpolates linearly, as UniRL's torch.quantile."""
+    pi = log(0.70, 0.64, 0.60, 0.52)[None]
+    mu = log(0.5, 0.5, 0.5, 0.5)[None]
+    _, blocked, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 4), w_min=1.0, delta_b_min=0.10)
+    assert blocked.tolist() == [[True, True, False, False]]
+
+
+def test_cppo_budget_takes_the_linear_quantile_over_each_completions_own_tokens():
+    """delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min) (CPPO, arXiv 2606.10968, eq. 22) with
+    linear interpolation, as UniRL's torch.quantile, over a completion's own T tokens (3 padding columns here):
+    cppo_loss's mask equals the reference's on completions of 1 to 37 tokens, and the lower rule would differ."""
+    differs = 0
+    for length in (1, 2, 3, 5, 10, 37):
+        g = torch.Generator().manual_seed(length)
+        drift = 0.3 * torch.rand(1, length, generator=g, dtype=torch.float64)
+        assert quantile_linear(drift[0].tolist(), 0.9) == pytest.approx(torch.quantile(drift, 0.9).item(), abs=1e-12)
+        mu = torch.full((1, length + 3), 0.5, dtype=torch.float64)
+        pi = torch.cat([0.5 + drift, torch.full((1, 3), 0.9, dtype=torch.float64)], 1)  # A > 0: every token away
+        mask = (torch.arange(length + 3) < length).double()[None]
+        settings = dict(delta=0.15, w_min=1.0, delta_b_min=0.1)
+        _, blocked, _ = grad_of(dppo.cppo_loss, pi.log(), mu.log(), torch.ones(1, 1), mask, **settings)
+        reference, _, _ = reference_cppo(pi.log(), mu.log(), torch.ones(1, 1), mask, **settings)
+        assert torch.equal(blocked, reference), length
+        lower, _, _ = reference_cppo(pi.log(), mu.log(), torch.ones(1, 1), mask, **settings, quantile=quantile_lower)
+        differs += not torch.equal(lower, reference)
+    assert differs > 0  # the rule matters on these completions
+
+
+@pytest.mark.parametrize("delta", [0.05, 0.15])
+@pytest.mark.parametrize("seed", range(4))
+def test_cppo_without_position_weight_and_budget_is_dppo_binary_tv(seed, delta):
+    """CPPO (arXiv 2606.10968, eqs. 8-11) with w_min = 1 and a budget that never binds is DPPO's binary TV (eq. 11)."""
+    logp, logp_anchor, advantages, mask = random_batch(seed, batch=8, width=16)
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask, delta, w_min=1.0, delta_b_min=1.0)
+    p, q, real = logp.exp(), logp_anchor.exp(), mask > 0
+    far = (p - q).abs() > delta
+    dppo_blocked = ((advantages > 0) & (p > q) & far) | ((advantages < 0) & (p < q) & far)
+    assert blocked.any() and torch.equal(blocked, dppo_blocked & real)
+    dppo_grad = -advantages * (logp - logp_anchor).exp() * (real & ~dppo_blocked)
+    torch.testing.assert_close(grad, dppo_grad)
+
+
+def test_cppo_uses_each_completions_own_length_not_the_padded_width():
+    """CPPO (arXiv 2606.10968, eq. 9): T is each completion's own length, not the padded width."""
+    logp, logp_anchor, advantages, _ = random_batch(7, batch=2, width=6)
+    mask = torch.tensor([[1.0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])  # a short completion and a long one
+    # short row: A = 1, mu = 0.5, pi = 0.5, 0.5, 0.68: D = 0, 0, 0.18 (the last moving away, D > delta = 0.15)
+    #   T = 3: w = 1, 0.9, 0.8;  quantile_0.9 of 0, 0, 0.18 at 1.8: 0 + 0.8 * 0.18 = 0.144 -> delta_b = 0.04
+    #   c3 = min(0.15, 0.15 + 0.04 * 1.9 - 0) = 0.15;  Z3 = 0.8 * 0.18 = 0.144 <= 0.15: kept
+    #   (over the padded width, w3 = 1 - 0.2 * 2/5 = 0.92 at 6 or 0.99 at 40, and Z3 = 0.166 or 0.178 is blocked)
+    logp[0, :3] = log(0.5, 0.5, 0.68)
+    logp_anchor[0, :3] = math.log(0.5)
+    advantages[0] = 1.0
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask)
+    assert not blocked[0].any() and (grad[0, 3:] == 0).all()
+    g = torch.Generator().manual_seed(1)
+    extra = 34
+    wide = (
+        torch.cat([logp, torch.randn(2, extra, generator=g)], 1),
+        torch.cat([logp_anchor, -torch.rand(2, extra, generator=g)], 1),
+        advantages,
+        torch.cat([mask, torch.zeros(2, extra)], 1),
+    )
+    _, wide_blocked, wide_grad = grad_of(dppo.cppo_loss, *wide)
+    assert wide_blocked.shape == (2, 40) and not wide_blocked[:, 6:].any() and (wide_grad[:, 6:] == 0).all()
+    assert torch.equal(wide_blocked[:, :6], blocked) and torch.equal(wide_grad[:, :6], grad)
+
+
+def test_cppo_never_blocks_a_token_moving_back_toward_mu():
+    """CPPO (arXiv 2606.10968, eq. 11): a move back toward mu is never blocked."""
+    p = torch.tensor([0.001, 0.1, 0.3, 0.49, 0.5])  # the last: pi = mu exactly
+    logp = torch.stack([p.log(), (1 - p).log()])  # A > 0 with pi <= mu, then A < 0 with pi >= mu
+    logp_anchor = torch.full((2, 5), math.log(0.5))
+    advantages = torch.tensor([[1.0], [-1.0]])
+    # delta and budget as tight as they go: every c_t <= 0.01, every Z_t up to 0.5
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, torch.ones(2, 5), 0.01, 0.5, 1e-4)
+    assert not blocked.any()
+    torch.testing.assert_close(grad, -advantages * (logp - logp_anchor).exp())
+
+
+def test_cppo_a_one_token_completion_has_weight_one():
+    # T = 1: w = 1, so Z = D against delta = 0.15 (w_min = 0.8 would give 0.8 * 0.16 = 0.128 and keep it)
+    # T = 2: w = 1, 0.8: the last token's Z = 0.8 * 0.18 = 0.144 <= c = min(0.15, 0.15 + delta_b * 1 - 0) = 0.15, kept
+    """CPPO (arXiv 2606.10968, eq. 9): w = 1 when T = 1."""
+    logp = torch.stack([log(0.66, 0.5), log(0.64, 0.5), log(0.5, 0.68)])
+    logp_anchor = torch.full((3, 2), math.log(0.5))
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    _, blocked, _ = grad_of(dppo.cppo_loss, logp, logp_anchor, torch.ones(3, 1), mask)
+    assert blocked.tolist() == [[True, False], [False, False], [False, False]]
+
+
+@pytest.mark.parametrize("delta, w_min, delta_b_min", [(0.15, 0.8, 0.02), (0.1, 0.5, 0.1), (0.2, 0.8, 0.05)])
+@pytest.mark.parametrize("seed", range(5))
+def test_cppo_mask_and_gradient_as_the_reference(seed, delta, w_min, delta_b_min):
+    """CPPO (arXiv 2606.10968, eqs. 8-11, 22): mask and gradient against a plain-Python reference on random batches."""
+    logp, logp_anchor, advantages, mask = random_batch(seed, batch=8, width=16)
+    logp_anchor[5, 1] = -float("inf")  # mu = 0 on a real token
+    is_cap = 3.0 if seed % 2 else math.inf
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap)
+    ref_blocked, ref_grad, margin = reference_cppo(
+        logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap
+    )
+    clear = margin > 1e-5  # leave out ties Z = c, where fp32 and float64 may round apart (none expected)
+    assert clear.float().mean() > 0.99
+    assert torch.equal(blocked[clear], ref_blocked[clear])
+    torch.testing.assert_close(grad[clear], ref_grad[clear].float())
+    assert ref_blocked.any() and (~ref_blocked & (mask > 0)).any()
+
+
+def test_cppo_an_empty_completion_gives_finite_zeros():
+    """CPPO (arXiv 2606.10968): a completion with no real token gives finite zeros."""
+    logp, logp_anchor, advantages, _ = random_batch(3, batch=2, width=5)
+    loss, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, torch.zeros(2, 5))
+    assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
+
+
+def test_cppo_computes_its_ratio_in_the_inputs_dtype():
+    """The mask is computed in fp32, the ratio in the input's dtype: float64 log-probs 1e-9 apart give the gradient
+    -A * r with r = 1 + 1e-9, not the 1 that fp32 would round it to."""
+    logp_anchor = torch.full((1, 3), math.log(0.5), dtype=torch.float64)
+    _, blocked, grad = grad_of(
+        dppo.cppo_loss, logp_anchor + 1e-9, logp_anchor, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 3)
+    )
+    assert not blocked.any() and grad.dtype == torch.float64
+    torch.testing.assert_close(grad, -((logp_anchor + 1e-9) - logp_anchor).exp(), rtol=1e-15, atol=0)
+
+
+def cppo_all_real(logp, logp_anchor, advantages, **kwargs):
+    return dppo.cppo_loss(logp, logp_anchor, advantages, torch.ones_like(logp), **kwargs)
+
+
+@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
+def test_drpo_cppo_minus_inf_anchor_equals_the_clamped_anchor(loss_fn):
+    """DRPO (arXiv 2606.09821, eq. 8) and CPPO (arXiv 2606.10968, eq. 11): an anchor of -inf acts as log 1e-12."""
+    logp, logp_anchor, advantages, _ = random_batch(11)
+    logp = logp.clamp(max=0)
+    logp_anchor[:, ::3] = -float("inf")
+    loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
+    clamped = grad_of(loss_fn, logp, logp_anchor.clamp(min=LOG_1E12), advantages)
+    assert loss.isfinite().all() and grad.isfinite().all()
+    assert torch.equal(loss, clamped[0]) and torch.equal(blocked, clamped[1]) and torch.equal(grad, clamped[2])
+
+
+@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
+def test_drpo_cppo_probabilities_at_zero_and_one(loss_fn):
+    # p, q in {1 (log 0), 0 (log -200 underflows exp to 0; log -inf for mu)} and in between, both advantage signs
+    """DRPO (arXiv 2606.09821, eq. 8) and CPPO (arXiv 2606.10968, eq. 11) at probabilities 0 and 1."""
+    values = [0.0, -1e-8, -0.7, -200.0]
+    pairs = [(lp, la) for lp in values for la in values + [-float("inf")]]
+    logp = torch.tensor([[lp for lp, _ in pairs]] * 2)
+    logp_anchor = torch.tensor([[la for _, la in pairs]] * 2)
+    loss, _, grad = grad_of(loss_fn, logp, logp_anchor, torch.tensor([[1.0], [-1.0]]))
+    assert loss.isfinite().all() and grad.isfinite().all()
+
+
+@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
+def test_drpo_cppo_bf16_inputs(loss_fn):
+    """DRPO (arXiv 2606.09821, eq. 8) and CPPO (arXiv 2606.10968, eq. 11) on inputs rounded through bf16."""
+    logp, logp_anchor, advantages, _ = random_batch(5)
+    logp, logp_anchor = logp.clamp(max=0).bfloat16(), logp_anchor.bfloat16()
+    loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
+    rounded = grad_of(loss_fn, logp.float(), logp_anchor.float(), advantages)
+    assert loss.isfinite().all() and grad.isfinite().all()
+    assert rounded[0].isfinite().all() and rounded[2].isfinite().all()
+    if loss_fn is cppo_all_real:  # the mask is computed in fp32: bf16 tensors and their fp32 copies agree
+        assert torch.equal(blocked, rounded[1])
+
+
+# ---------------- every objective: extreme inputs, the anchor clamped inside, each copied alone, each flag in its place
 
 
 def extreme_log_probs(g: torch.Generator, shape, smallest=-math.inf) -> torch.Tensor:
@@ -810,6 +1627,7 @@ def test_each_objective_clamps_the_anchor_itself_so_a_copy_behaves_as_in_the_fil
 
 
 def test_copied_helpers_refuse_what_they_cannot_do():
+    """token_weights, rollout_correction and ppo_clip_loss raise on a mode they do not know, rather than guess."""
     with pytest.raises(ValueError, match="max_new_tokens"):
         dppo.token_weights(torch.ones(2, 3), "seq_sum_norm")  # its constant is the length limit: none given
     with pytest.raises(ValueError, match="loss_agg"):
@@ -888,6 +1706,7 @@ def test_each_objective_runs_alone_from_what_the_readme_says_to_copy(objective):
 
 
 def test_readme_snippet_topk_tv_from_sampling_to_gradient_runs_as_written():
+    """The README's top-K TV snippet (DPPO, arXiv 2602.04879, eqs. 11-12 with the top-K TV) runs as written."""
     readme = (HERE / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("Copying one objective") :]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
@@ -896,387 +1715,6 @@ def test_readme_snippet_topk_tv_from_sampling_to_gradient_runs_as_written():
     loss, blocked, logits = namespace["loss"], namespace["blocked"], namespace["logits_pi"]
     assert loss.shape == blocked.shape == (4, 16) and blocked.dtype == torch.bool
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
-
-
-def test_pg_gradient_is_minus_a_times_r_and_nothing_is_blocked():
-    A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
-    logp_mu = torch.full_like(r, math.log(0.01))
-    logp = (logp_mu + r.log()).requires_grad_()
-    loss, blocked = dppo.pg_loss(logp, logp_mu, A)
-    loss.sum().backward()
-    assert not blocked.any()
-    assert torch.allclose(logp.grad, torch.tensor([-0.2, 5.0, -60.0, 0.5]))
-
-
-def test_pg_caps_the_importance_weight_at_a_finite_is_cap():
-    # C = 3: weights min(r, 3) = (0.2, 3, 3, 1), gradient -A * min(r, C) = (-0.2, 3.0, -6.0, 0.5)
-    A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
-    logp_mu = torch.full_like(r, math.log(0.01))
-    logp = (logp_mu + r.log()).requires_grad_()
-    loss, blocked = dppo.pg_loss(logp, logp_mu, A, is_cap=3.0)
-    loss.sum().backward()
-    assert not blocked.any()
-    assert torch.allclose(logp.grad, torch.tensor([-0.2, 3.0, -6.0, 0.5]))
-    assert torch.allclose(loss, logp.grad * logp.detach())  # l = -A * min(r, C) * log pi
-
-
-@pytest.mark.parametrize(
-    "q, low, high",
-    [
-        (0.9, 0.667, 1.249),
-        (0.5, 0.500, 1.400),
-        (0.1, 0.500, 2.246),
-        (0.01, 0.500, 5.815),
-        (0.003, 0.500, 10.0),
-        (0.0001, 0.500, 10.0),
-    ],
-)
-def test_dcpo_bounds_match_the_worked_values(q, low, high):
-    ratio_low, ratio_high = dppo.dcpo_bounds(torch.tensor(q), eps_low=0.2, eps_high=0.28, r_max=10.0)
-    assert ratio_low.item() == pytest.approx(low, abs=5e-4) and ratio_high.item() == pytest.approx(high, abs=5e-4)
-
-
-def test_dcpo_clips_by_token_probability():
-    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]. PPO's [0.8, 1.28] would clip the first and third tokens;
-    # DCPO does not.
-    A, r = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]), torch.tensor([2.0, 2.5, 0.6, 0.4, 12.0])
-    logp_mu = torch.full_like(r, math.log(0.1))
-    logp = (logp_mu + r.log()).requires_grad_()
-    loss, clipped = dppo.dcpo_loss(logp, logp_mu, A, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0)
-    loss.sum().backward()
-    assert clipped.tolist() == [False, True, False, True, True]
-    assert torch.allclose(logp.grad, torch.tensor([-2.0, 0.0, 0.6, 0.0, 0.0]))
-    assert torch.allclose(loss, torch.tensor([-2.0, -2.24643, 0.6, 0.5, 10.0]), atol=1e-4)
-
-
-def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip():
-    # eps_low 0.1, eps_high 0.3, r_max 3, c 5:
-    #   r_low = (1 + sqrt(max(1 - 0.4/q, 0))) / 2,  r_high = min((1 + sqrt(1 + 1.2/q)) / 2, 3)
-    #   q = 0.8:  (1 + sqrt(0.5)) / 2 = 0.853553,  (1 + sqrt(2.5)) / 2 = 1.290569
-    #   q = 0.5:  (1 + sqrt(0.2)) / 2 = 0.723607,  (1 + sqrt(3.4)) / 2 = 1.421954
-    #   q = 0.1:  1 - 4 < 0, so 0.5,                (1 + sqrt(13)) / 2 = 2.302776
-    #   q = 0.02: 0.5,                              (1 + sqrt(61)) / 2 = 4.405125, capped at r_max = 3
-    # Swapped eps would give [0.5, 1.112372] at q = 0.8, the default eps [0.5, 1.274597].
-    low, high = dppo.dcpo_bounds(torch.tensor([0.8, 0.5, 0.1, 0.02]), eps_low=0.1, eps_high=0.3, r_max=3.0)
-    assert torch.allclose(low, torch.tensor([0.853553, 0.723607, 0.5, 0.5]), atol=1e-5)
-    assert torch.allclose(high, torch.tensor([1.290569, 1.421954, 2.302776, 3.0]), atol=1e-5)
-    # (A, q, r, loss, d loss / d log pi, clip binds)
-    rows = [
-        (+1.0, 0.5, 1.41, -1.41, -1.41, False),  # inside [0.723607, 1.421954] (the default eps clip at 1.4)
-        (-1.0, 0.8, 0.80, 0.853553, 0.0, True),  # below r_low = 0.853553: loss -A * r_low
-        (+1.0, 0.1, 2.20, -2.20, -2.20, False),  # a rare token's room: inside [0.5, 2.302776]
-        (+1.0, 0.02, 3.50, -3.00, 0.0, True),  # above r_max = 3 (r_max 5 or none: inside 4.405125)
-        (-1.0, 0.02, 4.00, 4.00, 4.00, False),  # A < 0, r < c = 5: not clipped (c = 3 would cap it)
-        (-1.0, 0.02, 6.00, 5.00, 0.0, True),  # A < 0, r > c: dual clip, loss -A * c = 5
-    ]
-    A, q, r, loss, grad, binds = (torch.tensor(column) for column in zip(*rows))
-    logp = (q.log() + r.log()).requires_grad_()
-    out, clipped = dppo.dcpo_loss(logp, q.log(), A, clip_low=0.1, clip_high=0.3, r_max=3.0, dual_clip=5.0)
-    out.sum().backward()
-    assert torch.equal(clipped, binds)
-    assert torch.allclose(out, loss, atol=1e-5)
-    assert torch.allclose(logp.grad, grad, atol=1e-5)
-
-
-def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_the_mean():
-    A = torch.tensor([[1.0, 1.0, 1.0]])
-    logp_mu = torch.full((1, 3), math.log(0.5))
-    logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
-    # entropy ratios 1.0, 1.2, 0.97: the middle one is outside (0.95, 1.05); r = 1, 1.105, 0.905: ppo_clip clips none
-    loss, blocked = dppo.erc_loss(
-        logp, logp_mu, A, entropy_pi=torch.tensor([[1.0, 1.2, 0.97]]), entropy_anchor=torch.ones(1, 3)
-    )
-    assert blocked.tolist() == [[False, True, False]]
-    mean = (loss * dppo.token_weights(torch.ones(1, 3), "token_mean")).sum()
-    mean.backward()
-    r = torch.tensor([1.0, math.exp(0.1), math.exp(-0.1)])
-    assert mean.item() == pytest.approx(-r.sum().item() / 3, rel=1e-6)  # the masked token still counts
-    assert torch.allclose(logp.grad, torch.tensor([[-1.0 / 3, 0.0, -r[2].item() / 3]]))  # denominator 3, not 2
-
-
-# (A, r, H_pi, H_old, loss, d loss / d log pi, blocked) for ERC with beta_low 0.1, beta_high 0.02 (kept where
-# 0.9 < rho < 1.02, rho = (H_pi + 1e-8) / (H_old + 1e-8)) on ppo_clip with eps 0.1 / 0.4 (r in [0.9, 1.4]) and c = 3.
-# Swapped betas the band would be (0.98, 1.1), the defaults (0.95, 1.05); the inverted ratio turns 0.91 into 1.099.
-ERC_ASYMMETRIC_CASES = [
-    (+1.0, 1.1, 1.82, 2.0, -1.1, -1.1, False),  # rho 0.91: just inside the low side
-    (+1.0, 1.1, 1.78, 2.0, -1.1, 0.0, True),  # rho 0.89: just outside the low side: the value stays, no gradient
-    (+1.0, 1.1, 2.02, 2.0, -1.1, -1.1, False),  # rho 1.01: just inside the high side
-    (+1.0, 1.1, 2.06, 2.0, -1.1, 0.0, True),  # rho 1.03: just outside the high side
-    (+1.0, 1.1, 0.0, 0.0, -1.1, -1.1, False),  # both entropies 0: rho = 1e-8 / 1e-8 = 1, kept
-    (+1.0, 1.5, 2.0, 2.0, -1.4, 0.0, True),  # rho 1, but ppo_clip clips r above 1 + 0.4
-    (-1.0, 0.8, 2.0, 2.0, 0.9, 0.0, True),  # rho 1, ppo_clip clips r below 1 - 0.1
-    (-1.0, 4.0, 2.0, 2.0, 3.0, 0.0, True),  # rho 1, dual clip: -A * c = 3
-    (-1.0, 1.2, 2.0, 2.0, 1.2, 1.2, False),  # rho 1, nothing binds: -A * r
-]
-
-
-def test_erc_with_asymmetric_betas_on_top_of_an_asymmetric_ppo_clip():
-    A, r, entropy_pi, entropy_anchor, loss, grad, blocked = (
-        torch.tensor(column) for column in zip(*ERC_ASYMMETRIC_CASES)
-    )
-    logp_mu = torch.full_like(r, math.log(0.1))
-    logp = (logp_mu + r.log()).requires_grad_()
-    out, out_blocked = dppo.erc_loss(
-        logp,
-        logp_mu,
-        A,
-        entropy_pi,
-        entropy_anchor,
-        clip_low=0.1,
-        clip_high=0.4,
-        dual_clip=3.0,
-        beta_low=0.1,
-        beta_high=0.02,
-    )
-    out.sum().backward()
-    assert torch.equal(out_blocked, blocked)
-    assert torch.allclose(out, loss, atol=1e-5)  # a masked token keeps its value: it still counts in the mean
-    assert torch.allclose(logp.grad, grad, atol=1e-5)
-
-
-def test_cppo_computes_its_ratio_in_the_inputs_dtype():
-    """The mask is computed in fp32, the ratio in the input's dtype: float64 log-probs 1e-9 apart give the gradient
-    -A * r with r = 1 + 1e-9, not the 1 that fp32 would round it to."""
-    logp_anchor = torch.full((1, 3), math.log(0.5), dtype=torch.float64)
-    _, blocked, grad = grad_of(
-        dppo.cppo_loss, logp_anchor + 1e-9, logp_anchor, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 3)
-    )
-    assert not blocked.any() and grad.dtype == torch.float64
-    torch.testing.assert_close(grad, -((logp_anchor + 1e-9) - logp_anchor).exp(), rtol=1e-15, atol=0)
-
-
-# ------------------------------------------------------------------------ CISPO, GSPO, relaxed clip, rollout correction
-# On float64 rows, so that a number built from another one (a bound equal to a ratio) is equal bit for bit.
-
-
-def logs(*ps) -> torch.Tensor:  # log-probabilities of the given probabilities, one (1, T) row
-    return torch.tensor(ps, dtype=torch.float64).log()[None]
-
-
-def d_loss_d_logp(loss, logp):  # d (sum of loss) / d log pi, per token
-    return torch.autograd.grad(loss.sum(), logp, retain_graph=True)[0]
-
-
-def near(x, rows) -> bool:  # a tensor against nested lists of hand-computed numbers
-    return torch.allclose(x.detach().double(), torch.tensor(rows, dtype=torch.float64))
-
-
-# (A, r, d loss / d log pi) for CISPO with eps 0.2 / 0.28: the weight is clip(r, 0.8, 1.28), no gradient through it
-CISPO_CASES = [
-    (+2.0, 1.5, -2.56),  # weight clipped to 1.28: -A * 1.28 (ppo_clip blocks the token)
-    (-1.0, 0.5, 0.8),  # weight clipped to 0.8: -A * 0.8 (ppo_clip blocks the token)
-    (+1.0, 1.1, -1.1),  # inside: -A * r (were r differentiated too: -1.1 * (1 + log 0.44) = -0.1969)
-    (-1.0, 1.5, 1.28),  # A < 0, moving back: the weight is still clipped
-    (+1.0, 0.5, -0.8),  # A > 0, moving back: likewise
-]
-
-
-def test_cispo_clips_the_weight_and_never_the_token():
-    A, r, grad = (torch.tensor(column, dtype=torch.float64) for column in zip(*CISPO_CASES))
-    logp_mu = torch.full_like(r, math.log(0.4))
-    logp = (logp_mu + r.log()).requires_grad_()
-    loss, blocked = dppo.cispo_loss(logp, logp_mu, A, clip_low=0.2, clip_high=0.28)
-    assert torch.allclose(d_loss_d_logp(loss, logp), grad)
-    assert torch.allclose(loss, grad * logp.detach())  # l = -sg(clip(r)) * A * log pi
-    assert not blocked.any()
-    assert dppo.ppo_clip_loss(logp, logp_mu, A)[1].tolist() == [True, True, False, False, False]
-
-
-def test_cispo_defaults_leave_no_lower_bound_and_cap_the_weight_at_5():
-    # defaults eps 1 / 4: weight clip(r, 0, 5). r = 0.01 (pi 0.001, mu 0.1) keeps 0.01; r = 50 (0.5 / 0.01) gets 5.
-    logp, logp_mu, A = logs(0.001, 0.5).requires_grad_(), logs(0.1, 0.01), torch.ones(1, 1, dtype=torch.float64)
-    assert near(d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A)[0], logp), [[-0.01, -5.0]])
-    assert dppo.parse_config(["--objective", "cispo"]).clip_low == 1.0  # allowed: 1 - eps_low = 0, no lower bound
-    # C = inf: plain importance weighting, -A * 50; a ratio exactly at 1 + eps_high is not clipped
-    assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 1.0, math.inf)[0], logp)[0, 1].item() == pytest.approx(-50.0)
-    r = torch.exp(logp - logp_mu)[0, 1].item()
-    assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 0.2, r - 1)[0], logp)[0, 1].item() == -r
-
-
-def test_gspo_takes_one_ratio_per_completion_over_its_real_tokens_whatever_the_padding():
-    # Completion 1, 3 tokens, log(pi/mu) = 0.3, -0.1, 0.1: mean 0.1, s_1 = e^0.1 = 1.10517 > 1 + 4e-4: clipped and
-    # blocked for A > 0, loss -1.0004 on each token, no gradient. Completion 2, 2 tokens and a padding slot,
-    # log(pi/mu) = 2e-4, 4e-4: s_2 = e^3e-4 = 1.00030005 inside [1 - 3e-4, 1 + 4e-4]: loss and d loss_t / d log pi_t
-    # = -A * s_2, each token's own only (s_it = sg(s_i) * pi_t / sg(pi_t)). The padding slot's content changes nothing.
-    logp_mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, 0.0]], dtype=torch.float64)
-    mask, A, s2 = torch.tensor([[1.0, 1, 1], [1, 1, 0]]), torch.ones(2, 1, dtype=torch.float64), math.exp(3e-4)
-    for pad in (math.nan, 7.0, -30.0, 0.0):
-        logp = logp_mu + torch.tensor([[0.3, -0.1, 0.1], [2e-4, 4e-4, 0.0]], dtype=torch.float64)
-        logp[1, 2] = pad
-        logp.requires_grad_()
-        loss, blocked = dppo.gspo_loss(logp, logp_mu, A, mask)
-        assert near(loss[:, :2], [[-1.0004, -1.0004], [-s2, -s2]]) and loss[0, 2].item() == pytest.approx(-1.0004)
-        assert blocked.tolist() == [[True, True, True], [False, False, False]]  # padding is never marked
-        assert near(d_loss_d_logp(loss * mask, logp), [[0.0, 0.0, 0.0], [-s2, -s2, 0.0]])
-        assert near(d_loss_d_logp(loss[1, 0], logp), [[0.0, 0.0, 0.0], [-s2, 0.0, 0.0]])
-    # objective_loss hands gspo the completion mask: were the (0.0) padding slot counted, s_2 would be e^2e-4
-    pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
-    cfg = dppo.parse_config(["--objective", "gspo"])
-    assert torch.equal(dppo.objective_loss(cfg, pi, anchor, A, mask)[0], loss)
-
-
-def test_gspo_with_negative_advantages_at_its_bounds_and_on_policy():
-    # A = -1. Completion 1, s = e^0.1 = 1.10517 > 1 + eps_high: the unclipped side for A < 0, gradient -A * s per
-    # token. Completion 2, log ratios -0.01: s = e^-0.01 < 1 - 3e-4: blocked, loss -A * (1 - 3e-4) = 0.9997.
-    logp_mu = torch.tensor([[-1.0, -2.0], [-0.7, -1.2]], dtype=torch.float64)
-    logp = (logp_mu + torch.tensor([[0.1, 0.1], [-0.01, -0.01]], dtype=torch.float64)).requires_grad_()
-    loss, blocked = dppo.gspo_loss(logp, logp_mu, -torch.ones(2, 1, dtype=torch.float64), torch.ones(2, 2))
-    assert near(d_loss_d_logp(loss, logp), [[math.exp(0.1)] * 2, [0.0, 0.0]])
-    assert blocked.tolist() == [[False, False], [True, True]] and near(loss[1], [0.9997, 0.9997])
-    # s exactly on the upper bound (eps_high = s - 1, s as the mean of the row's log ratios gives it): not blocked,
-    # the whole gradient -A * s
-    logp = (logp_mu[:1] + 0.001).requires_grad_()
-    s = torch.exp((logp - logp_mu[:1]).sum() / 2).item()  # e^0.001, to the last bit as gspo_loss computes it
-    loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.ones(1, 1), torch.ones(1, 2), 3e-4, s - 1)
-    assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-s, -s]])
-    # on policy, s = 1: gradient -A on every real token, nothing blocked
-    logp = logp_mu[:1].clone().requires_grad_()
-    loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.full((1, 1), 0.5), torch.tensor([[1.0, 0.0]]))
-    assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-0.5, 0.0]])
-
-
-# The relaxed clip on one rare token (mu 0.05 < alpha = 0.1) and one common (mu 0.5), both moved away by r = 2 with
-# A = +1 or r = 0.5 with A = -1: the rare one escapes on the relaxed side, gradient -A * r = -2 or +0.5 (loss -2 or
-# +0.5); the common one is clipped as by ppo_clip (loss -1.28 or 0.8, no gradient). (A, r, relax) -> (rare blocked?)
-RELAXED_CASES = [
-    (+1.0, 2.0, "none", True),
-    (+1.0, 2.0, "high", False),
-    (+1.0, 2.0, "low", True),
-    (+1.0, 2.0, "both", False),
-    (-1.0, 0.5, "none", True),
-    (-1.0, 0.5, "high", True),
-    (-1.0, 0.5, "low", False),
-    (-1.0, 0.5, "both", False),
-]
-
-
-@pytest.mark.parametrize("A, r, relax, rare_blocked", RELAXED_CASES)
-def test_relaxed_clip_lets_rare_tokens_escape_on_its_side_only(A, r, relax, rare_blocked):
-    logp_mu = logs(0.05, 0.5)
-    logp = (logp_mu + math.log(r)).requires_grad_()
-    advantages = torch.full((1, 1), A, dtype=torch.float64)
-    loss, blocked = dppo.ppo_clip_loss(logp, logp_mu, advantages, 0.2, 0.28, 10.0, relax=relax, relax_below=0.1)
-    assert blocked.tolist() == [[rare_blocked, True]]
-    clipped = 1.28 if A > 0 else 0.8
-    assert near(loss, [[-A * (clipped if rare_blocked else r), -A * clipped]])
-    assert near(d_loss_d_logp(loss, logp), [[0.0 if rare_blocked else -A * r, 0.0]])
-    # moving back toward mu is never blocked, on any side: A > 0 with r = 0.5, A < 0 with r = 2 (< c)
-    assert not dppo.ppo_clip_loss(logp_mu - math.log(r), logp_mu, advantages, relax=relax)[1].any()
-    # --relax_clip and --relax_below reach their places: at 0.6 both tokens are rare
-    cfg = dppo.parse_config(["--relax_clip", relax, "--relax_below", "0.6"])
-    pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
-    assert dppo.objective_loss(cfg, pi, anchor, advantages, torch.ones(1, 2))[1].tolist() == [[rare_blocked] * 2]
-
-
-def test_relaxed_clip_matches_stable_rls_rule_on_a_grid():
-    # Stable-RL's ppo_ablation_positive / _negative / _both (_compute_token_mask_for_policy_loss) restated:
-    # A > 0: blocked iff r > 1.28, and mu >= alpha where the high side is relaxed; A < 0: iff r < 0.8, and mu >= alpha
-    # where the low side is. No dual clip there (c = inf). mu exactly alpha is not exempt. In fp32, as in training.
-    r, mu = (
-        x.reshape(1, -1)
-        for x in torch.meshgrid(
-            torch.tensor([0.3, 0.79, 0.8, 0.81, 1.0, 1.27, 1.28, 1.29, 3.0]),
-            torch.tensor([0.01, 0.0999, 0.1, 0.5, 0.9]),
-            indexing="ij",
-        )
-    )
-    logp_mu = mu.log()
-    logp = logp_mu + r.log()
-    ratio, mu = torch.exp(logp - logp_mu), logp_mu.exp()  # what ppo_clip_loss compares
-    for relax in ("none", "high", "low", "both"):
-        alpha = mu[0, 2].item()  # mu = 0.1 as exp(log 0.1) rounds it: that token stays bounded
-        common = mu >= alpha
-        for A, side_blocked in (
-            (+1.0, (ratio > 1 + 0.28) & (common | (relax not in ("high", "both")))),
-            (-1.0, (ratio < 1 - 0.2) & (common | (relax not in ("low", "both")))),
-        ):
-            _, blocked = dppo.ppo_clip_loss(
-                logp, logp_mu, torch.full((1, 1), A), 0.2, 0.28, math.inf, relax=relax, relax_below=alpha
-            )
-            assert torch.equal(blocked, side_blocked), (A, relax)
-    none = dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1), relax="none", relax_below=0.99)  # alpha unused
-    assert all(torch.equal(a, b) for a, b in zip(none, dppo.ppo_clip_loss(logp, logp_mu, -torch.ones(1, 1))))
-
-
-# One completion of 4 real tokens and a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1
-# = 0.25, 1, 3, 8.
-CORRECTION_PI_OLD, CORRECTION_MU = logs(0.1, 0.3, 0.6, 0.8, 0.5), logs(0.4, 0.3, 0.2, 0.1, 0.5)
-CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
-CORRECTION_CASES = [  # (mode, cap, low, high) -> weight, flagged
-    (("none", 2.0, 0.5, 5.0), [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]),
-    (("tis", 2.0, 0.5, 5.0), [0.25, 1, 2, 2, 0], [0, 0, 1, 1, 0]),  # min(w, 2): the last two truncated
-    (("tis", math.inf, 0.5, 5.0), [0.25, 1, 3, 8, 0], [0, 0, 0, 0, 0]),  # cap inf: w itself
-    (("token_mis", 2.0, 0.5, 5.0), [0, 1, 3, 0, 0], [1, 0, 0, 1, 0]),  # outside [0.5, 5] zeroed, inside untruncated
-    (("seq_mis", 4.0, 1.0, 2.0), [0.25, 1, 3, 4, 0], [0, 0, 0, 1, 0]),  # geometric mean 6^(1/4) = 1.565 kept; 8 -> 4
-    (("seq_mis", 4.0, 0.5, 1.5), [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]),  # 1.565 > 1.5: the whole completion zeroed
-]
-
-
-@pytest.mark.parametrize("settings, weight, flagged", CORRECTION_CASES)
-def test_rollout_correction_in_every_mode_by_hand(settings, weight, flagged):
-    for pad in (-0.7, -50.0, math.nan, -math.inf):  # mu's padding slot: its content changes nothing
-        mu = CORRECTION_MU.clone()
-        mu[0, 4] = pad
-        pi_old = CORRECTION_PI_OLD.clone().requires_grad_()
-        w, out_flagged = dppo.rollout_correction(pi_old, mu, CORRECTION_MASK, *settings)
-        assert near(w, [weight]) and out_flagged.tolist() == [list(map(bool, flagged))]
-        assert not w.requires_grad
-
-
-def test_rollout_correction_bounds_are_inclusive_and_geometric():
-    w_raw = torch.exp(CORRECTION_PI_OLD - CORRECTION_MU)
-    low, high = w_raw[0, 1].item(), w_raw[0, 2].item()  # 1 and 3 exactly as computed: both kept
-    _, flagged = dppo.rollout_correction(
-        CORRECTION_PI_OLD, CORRECTION_MU, CORRECTION_MASK, "token_mis", low=low, high=high
-    )
-    assert flagged.tolist() == [[True, False, False, True, False]]
-    # seq_mis on the geometric mean, not the product: w = 4, 4 (product 16), a padding slot; [4, 4] as computed keeps it
-    pi_old, mu, mask = logs(0.8, 0.8, 0.3), logs(0.2, 0.2, 0.9), torch.tensor([[1.0, 1, 0]])
-    four = torch.exp(pi_old - mu)[0, 0].item()
-    assert near(dppo.rollout_correction(pi_old, mu, mask, "seq_mis", math.inf, four, four)[0], [[4.0, 4.0, 0.0]])
-    # a recorded log mu of -inf counts as log 1e-12: w = 0.5 / 1e-12 = 5e11, finite
-    w, _ = dppo.rollout_correction(logs(0.5), torch.full((1, 1), -math.inf), torch.ones(1, 1), "tis", math.inf)
-    assert w.item() == pytest.approx(5e11)
-    # anchored to mu itself, w = 1: no correction
-    assert dppo.rollout_correction(CORRECTION_MU, CORRECTION_MU, CORRECTION_MASK, "tis")[0].tolist() == [
-        [1.0, 1, 1, 1, 0]
-    ]
-
-
-# The DPPO paper's --recompute_old (Stable-RL's compute_policy_loss_with_mask): the trust region's mask M from pi_old,
-# the importance weight pi / mu against the sampler. A pi_old-anchored loss times w = min(pi_old / mu, inf) has the
-# per-token gradient -A * (pi / pi_old) * M * (pi_old / mu) = -A * (pi / mu) * M. Rows A = +1 and A = -1, same tokens:
-#   ppo_clip: pi / pi_old = 0.5/0.45 = 1.11 (inside), 0.3/0.2 and 0.9/0.6 = 1.5 (above 1.28), 0.3/0.5 = 0.6 (below 0.8):
-#     A = +1: tokens 1, 2 blocked; -pi/mu = -0.5/0.4 = -1.25 and -0.3/0.6 = -0.5. A = -1: token 3 blocked;
-#     0.5/0.4 = 1.25, 0.3/0.25 = 1.2, 0.9/0.5 = 1.8.
-#   binary_tv, delta 0.15: D = |pi - pi_old| = 0.05, 0.3 (pi rises), 0.3 (pi falls): A = +1 blocks token 1 only,
-#     -0.5/0.4 = -1.25, -0.2/0.8 = -0.25; A = -1 blocks token 2 only, 1.25, 0.9/0.5 = 1.8.
-RECOMPUTE_CASES = {
-    "ppo_clip": (
-        (0.5, 0.3, 0.9, 0.3),
-        (0.45, 0.2, 0.6, 0.5),
-        (0.4, 0.25, 0.5, 0.6),
-        [[-1.25, 0.0, 0.0, -0.5], [1.25, 1.2, 1.8, 0.0]],
-    ),
-    "binary_tv": ((0.5, 0.9, 0.2), (0.45, 0.6, 0.5), (0.4, 0.5, 0.8), [[-1.25, 0.0, -0.25], [1.25, 1.8, 0.0]]),
-}
-
-
-@pytest.mark.parametrize("objective", list(RECOMPUTE_CASES))
-def test_pi_old_anchored_loss_times_tis_has_the_gradient_of_the_papers_recompute_form(objective):
-    p, p_old, q, grad = RECOMPUTE_CASES[objective]
-    logp, logp_pi_old, logp_mu = (logs(*x).repeat(2, 1) for x in (p, p_old, q))
-    A = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
-    logp.requires_grad_()
-    if objective == "ppo_clip":
-        loss, blocked = dppo.ppo_clip_loss(logp, logp_pi_old, A)
-    else:
-        loss, blocked = dppo.dppo_loss(logp, logp_pi_old, A, dppo.binary_tv(logp_pi_old, logp), 0.15, 0.15)
-    w, _ = dppo.rollout_correction(logp_pi_old, logp_mu, torch.ones_like(logp_pi_old), "tis", math.inf)
-    g = d_loss_d_logp(loss * w, logp)
-    assert torch.allclose(g, torch.tensor(grad, dtype=torch.float64))
-    paper = -A * torch.exp(logp - logp_mu).detach() * ~blocked * logp  # -A * sg(pi / mu) * M * log pi
-    assert torch.allclose(g, d_loss_d_logp(paper, logp))
 
 
 # objective_loss with every setting asymmetric, so that swapping two, ignoring one (its default in its place) or
@@ -1303,10 +1741,14 @@ ASYMMETRIC_FLAGS = [
     "--cppo_delta",
     "0.2",
 ]
+
+
 ASYMMETRIC_DELTAS = {
     "tv": ["--delta_low", "0.3", "--delta_high", "0.1"],
     "kl": ["--delta_low", "0.12", "--delta_high", "0.03"],
 }
+
+
 # objective: (objective_inputs' top-K and entropy arguments, rows of (A, q, p, loss, d loss / d log pi, blocked)).
 # A loss of None is -A * min(r, C) * M * log pi = (d loss / d log pi) * log pi; r = p / q.
 DISPATCH_CASES = {
@@ -1447,6 +1889,7 @@ DISPATCH_CASES = {
 
 @pytest.mark.parametrize("objective", list(DISPATCH_CASES))
 def test_objective_loss_passes_every_setting_to_its_place(objective):
+    """objective_loss hands each flag to its objective: asymmetric settings, each swapped pair would change a row."""
     inputs, rows = DISPATCH_CASES[objective]
     A, q, p, loss, grad, blocked = zip(*rows)
     pi, anchor = objective_inputs(list(q), list(p), **inputs)
@@ -1468,431 +1911,98 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------- DPPO's sequels: DRPO and CPPO
-
-LOG_1E12 = math.log(1e-12)  # the anchor's floor, restated here so the references share nothing with dppo.py
+# -------------------------------------------------- the recompute ablation (--recompute_old) and its rollout correction
 
 
-def grad_of(loss_fn, logp, *args, **kwargs):
-    """(per-token loss, blocked, d(sum of the loss)/d logp): with one token per loss term, the per-token gradient."""
-    logp = logp.detach().clone().requires_grad_(True)
-    loss, blocked = loss_fn(logp, *args, **kwargs)
-    loss.sum().backward()
-    return loss.detach(), blocked, logp.grad
+# One completion of 4 real tokens and a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1
+# = 0.25, 1, 3, 8.
+CORRECTION_PI_OLD, CORRECTION_MU = logs(0.1, 0.3, 0.6, 0.8, 0.5), logs(0.4, 0.3, 0.2, 0.1, 0.5)
 
 
-def log(*values):
-    return torch.tensor(values, dtype=torch.float64).log().float()
+CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
 
 
-# references written straight from SPEC section 5c, sharing no code with dppo.py
+CORRECTION_CASES = [  # (mode, cap, low, high) -> weight, flagged
+    (("none", 2.0, 0.5, 5.0), [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]),
+    (("tis", 2.0, 0.5, 5.0), [0.25, 1, 2, 2, 0], [0, 0, 1, 1, 0]),  # min(w, 2): the last two truncated
+    (("tis", math.inf, 0.5, 5.0), [0.25, 1, 3, 8, 0], [0, 0, 0, 0, 0]),  # cap inf: w itself
+    (("token_mis", 2.0, 0.5, 5.0), [0, 1, 3, 0, 0], [1, 0, 0, 1, 0]),  # outside [0.5, 5] zeroed, inside untruncated
+    (("seq_mis", 4.0, 1.0, 2.0), [0.25, 1, 3, 4, 0], [0, 0, 0, 1, 0]),  # geometric mean 6^(1/4) = 1.565 kept; 8 -> 4
+    (("seq_mis", 4.0, 0.5, 1.5), [0, 0, 0, 0, 0], [1, 1, 1, 1, 0]),  # 1.565 > 1.5: the whole completion zeroed
+]
 
 
-def reference_drpo(logp, logp_anchor, advantages, delta):
-    """Per token: l = -A r + |A| mu (r - 1)^2 / (2 delta), r = exp(clamp(log pi - log mu, -20, 20)); its gradient
-    w.r.t. log pi is -A r w, w = 1 - sign(A (r - 1)) |pi - mu| / delta, and 0 where the clamp binds; blocked: w <= 0."""
-    losses, grads, weights = [], [], []
-    for lp_row, la_row, a in zip(logp.tolist(), logp_anchor.tolist(), advantages.flatten().tolist()):
-        loss_row, grad_row, weight_row = [], [], []
-        for lp, la in zip(lp_row, la_row):
-            la = max(la, LOG_1E12)
-            log_r = lp - la
-            r = math.exp(min(max(log_r, -20.0), 20.0))
-            mu, pi = math.exp(la), math.exp(lp)
-            sign = (a * (r - 1) > 0) - (a * (r - 1) < 0)
-            w = 1 - sign * abs(pi - mu) / delta
-            loss_row.append(-a * r + abs(a) * mu * (r - 1) ** 2 / (2 * delta))
-            grad_row.append(-a * r * w if -20.0 < log_r < 20.0 else 0.0)
-            weight_row.append(w)
-        losses.append(loss_row)
-        grads.append(grad_row)
-        weights.append(weight_row)
-    return (torch.tensor(x, dtype=torch.float64) for x in (losses, grads, weights))
+@pytest.mark.parametrize("settings, weight, flagged", CORRECTION_CASES)
+def test_rollout_correction_in_every_mode_by_hand(settings, weight, flagged):
+    """The recompute ablation's rollout correction on w = pi_old / mu (Stable-RL; verl's TIS, IcePop, sequence MIS), by
+    hand."""
+    for pad in (-0.7, -50.0, math.nan, -math.inf):  # mu's padding slot: its content changes nothing
+        mu = CORRECTION_MU.clone()
+        mu[0, 4] = pad
+        pi_old = CORRECTION_PI_OLD.clone().requires_grad_()
+        w, out_flagged = dppo.rollout_correction(pi_old, mu, CORRECTION_MASK, *settings)
+        assert near(w, [weight]) and out_flagged.tolist() == [list(map(bool, flagged))]
+        assert not w.requires_grad
 
 
-def quantile_linear(values, q):
-    """The q-quantile with linear interpolation between order statistics at q (n - 1) (numpy's and torch's default)."""
-    ranked = sorted(values)
-    at = q * (len(ranked) - 1)
-    low = math.floor(at)
-    high = min(low + 1, len(ranked) - 1)
-    return ranked[low] + (at - low) * (ranked[high] - ranked[low])
-
-
-def reference_cppo(logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap=math.inf, quantile=None):
-    """Per completion over its T real tokens (right padding): D, w, Z, S, W, delta_b, c and M as SPEC writes them.
-    Returns blocked, the gradient of l = -A sg(min(r, C)) M log pi w.r.t. log pi, and each token's |Z - c|."""
-    blocked, grads, margins = [], [], []
-    rows = zip(logp.tolist(), logp_anchor.tolist(), advantages.flatten().tolist(), mask.tolist())
-    for lp_row, la_row, a, m_row in rows:
-        length = int(sum(m_row))
-        blocked_row, grad_row, margin_row = [False] * len(m_row), [0.0] * len(m_row), [math.inf] * len(m_row)
-        if length == 0:
-            blocked.append(blocked_row)
-            grads.append(grad_row)
-            margins.append(margin_row)
-            continue
-        la_row = [max(la, LOG_1E12) for la in la_row[:length]]
-        d = [abs(math.exp(lp) - math.exp(la)) for lp, la in zip(lp_row, la_row)]
-        delta_b = min(max((quantile or quantile_linear)(d, 0.9), delta_b_min), 2 * delta_b_min)
-        spent = weight_before = 0.0
-        for t in range(1, length + 1):
-            w = 1 - (1 - w_min) * (t - 1) / (length - 1) if length > 1 else 1.0
-            z = w * d[t - 1]
-            c = min(delta, delta + delta_b * weight_before - spent)
-            r = math.exp(lp_row[t - 1] - la_row[t - 1])
-            blocked_row[t - 1] = a * (r - 1) > 0 and z > c
-            grad_row[t - 1] = 0.0 if blocked_row[t - 1] else -a * min(r, is_cap)
-            margin_row[t - 1] = abs(z - c)
-            spent += z
-            weight_before += w
-        blocked.append(blocked_row)
-        grads.append(grad_row)
-        margins.append(margin_row)
-    return torch.tensor(blocked), torch.tensor(grads, dtype=torch.float64), torch.tensor(margins, dtype=torch.float64)
-
-
-def random_batch(seed, batch=6, width=12):
-    """Binary-ish completions of random lengths (a full row, a 1-token row, an empty row), mu and pi apart by up to
-    ~0.3, garbage in the padding, advantages of both signs and one zero."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, width, (batch,), generator=g)
-    lengths[:3] = torch.tensor([width, 1, 0])[:batch]
-    mask = (torch.arange(width) < lengths[:, None]).float()
-    logit_mu = 2 * torch.randn(batch, width, generator=g)
-    logp_anchor = torch.nn.functional.logsigmoid(logit_mu)
-    logp = torch.nn.functional.logsigmoid(logit_mu + 0.8 * torch.randn(batch, width, generator=g))
-    padding = mask == 0
-    logp = torch.where(padding, 3 * torch.randn(batch, width, generator=g), logp)  # garbage, even log pi > 0
-    logp_anchor = torch.where(padding, -50 * torch.rand(batch, width, generator=g), logp_anchor)
-    advantages = torch.randn(batch, 1, generator=g)
-    advantages[3:4] = 0.0
-    return logp, logp_anchor, advantages, mask
-
-
-def test_drpo_value_and_gradient_by_hand():
-    delta = 0.5
-    logp = torch.tensor([[-0.9, math.log(0.3)], [math.log(0.1), math.log(0.9)]])
-    logp_anchor = torch.tensor([[-1.0, math.log(0.9)], [math.log(0.4), math.log(0.2)]])
-    advantages = torch.tensor([[1.0], [-2.0]])
-    # A = 1, mu = e^-1 = 0.367879, pi = e^-0.9 = 0.406570, r = e^0.1 = 1.105171, D = 0.038690 (away):
-    #   l = -1.105171 + 0.367879 * 0.105171^2 / 1 = -1.105171 + 0.004069 = -1.101102
-    #   w = 1 - 0.038690 / 0.5 = 0.922620,  grad = -A r w = -1.105171 * 0.922620 = -1.019652
-    # A = 1, mu = 0.9, pi = 0.3, r = 1/3, D = 0.6 (back toward mu):
-    #   l = -0.333333 + 0.9 * (2/3)^2 / 1 = -0.333333 + 0.4 = 0.066667
-    #   w = 1 + 0.6 / 0.5 = 2.2,  grad = -(1/3) * 2.2 = -0.733333
-    # A = -2, mu = 0.4, pi = 0.1, r = 0.25, D = 0.3 (away, A < 0 and pi < mu):
-    #   l = 2 * 0.25 + 2 * 0.4 * 0.75^2 / 1 = 0.5 + 0.45 = 0.95
-    #   w = 1 - 0.3 / 0.5 = 0.4,  grad = 2 * 0.25 * 0.4 = 0.2
-    # A = -2, mu = 0.2, pi = 0.9, r = 4.5, D = 0.7 > delta but back toward mu:
-    #   l = 2 * 4.5 + 2 * 0.2 * 3.5^2 / 1 = 9 + 4.9 = 13.9
-    #   w = 1 + 0.7 / 0.5 = 2.4,  grad = 2 * 4.5 * 2.4 = 21.6
-    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
-    torch.testing.assert_close(loss, torch.tensor([[-1.101102, 0.066667], [0.95, 13.9]]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, torch.tensor([[-1.019652, -0.733333], [0.2, 21.6]]), rtol=1e-5, atol=1e-5)
-    assert not blocked.any()
-
-
-def test_drpo_weight_crosses_zero_at_delta():
-    delta = 0.1
-    # mu = 0.5; pi = 0.599, 0.601 (A = 1) and 0.401, 0.399 (A = -1): D = 0.099, 0.101, moving away from mu.
-    #   D = 0.099: w = 1 - 0.99 = 0.01;   D = 0.101: w = 1 - 1.01 = -0.01 (blocked: gradient pushes back)
-    #   A = 1:  grad = -r w = -(0.599 / 0.5) * 0.01 = -0.01198  and  +(0.601 / 0.5) * 0.01 = +0.01202
-    #   A = -1: grad = +r w = (0.401 / 0.5) * 0.01 = 0.00802  and  -(0.399 / 0.5) * 0.01 = -0.00798
-    logp = torch.stack([log(0.599, 0.601), log(0.401, 0.399)])
-    logp_anchor = log(0.5, 0.5).expand(2, 2)
-    advantages = torch.tensor([[1.0], [-1.0]])
-    _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
-    assert blocked.tolist() == [[False, True], [False, True]]
-    torch.testing.assert_close(grad, torch.tensor([[-0.01198, 0.01202], [0.00802, -0.00798]]), rtol=0, atol=2e-6)
-
-
-def test_drpo_never_blocks_a_token_moving_back_toward_mu():
-    delta = 0.1  # small: D reaches 5 delta here
-    p = torch.tensor([0.001, 0.1, 0.3, 0.49])
-    logp = torch.stack([p.log(), (1 - p).log()])  # A > 0 with pi < mu, then A < 0 with pi > mu
-    logp_anchor = torch.full((2, 4), math.log(0.5))
-    advantages = torch.tensor([[1.0], [-1.0]])
-    _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
-    assert not blocked.any()
-    # boosted, never reversed: w = 1 + D / delta > 1, so grad = -A r w has the sign of -A and |grad| > r
-    ratio = (logp - logp_anchor).exp()
-    assert (grad[0] < -ratio[0]).all() and (grad[1] > ratio[1]).all()
-
-
-def test_drpo_a_zero_advantage_gives_no_loss_no_gradient_and_is_not_blocked():
-    logp, logp_anchor = log(0.1, 0.9, 0.5).expand(2, 3), log(0.9, 0.1, 0.5).expand(2, 3)
-    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, torch.zeros(2, 1), delta=0.1)
-    assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
-
-
-@pytest.mark.parametrize("delta", [12.5, 0.1])
-@pytest.mark.parametrize("seed", range(4))
-def test_drpo_gradient_is_minus_a_r_w_as_the_reference(seed, delta):
-    logp, logp_anchor, advantages, _ = random_batch(seed)
-    logp = logp.clamp(max=0)  # no mask in DRPO: keep the padding's garbage a probability
-    logp_anchor[4, :3] = torch.tensor([-30.0, -float("inf"), -25.0])  # log r beyond 20: the clamp binds, no gradient
-    logp[4, :3] = -0.1
-    loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, advantages, delta=delta)
-    ref_loss, ref_grad, ref_weight = reference_drpo(logp, logp_anchor, advantages, delta)
-    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(grad, ref_grad.float(), rtol=1e-4, atol=1e-5)
-    clear = ref_weight.abs() > 1e-5  # leave out ties at w = 0 (none expected)
-    assert torch.equal(blocked[clear], (ref_weight <= 0)[clear])
-    if delta == 12.5:  # D <= 1, so at the paper's delta the weight stays within [1 - 1/12.5, 1 + 1/12.5]
-        assert not blocked.any() and ((ref_weight - 1).abs() <= 0.08 + 1e-9).all()
-    assert (grad[4, :3] == 0).all()
-
-
-def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
-    # One completion, T = 5, A = 1, mu = 0.5, pi = 0.64, 0.60, 0.45, 0.50, 0.52; delta 0.15, w_min 0.8, delta_b_min 0.02
-    #   D = 0.14, 0.10, 0.05 (back toward mu: pi < mu), 0 (pi = mu), 0.02
-    #   w = 1 - 0.2 (t - 1) / 4 = 1, 0.95, 0.90, 0.85, 0.80;  Z = w D = 0.14, 0.095, 0.045, 0, 0.016
-    #   S_{t-1} = 0, 0.14, 0.235, 0.28, 0.28;  W_{t-1} = 0, 1, 1.95, 2.85, 3.7
-    #   quantile_0.9: sorted D = 0, 0.02, 0.05, 0.10, 0.14, at 0.9 * 4 = 3.6: 0.10 + 0.6 * 0.04 = 0.124
-    #   delta_b = clamp(0.124, 0.02, 0.04) = 0.04
-    #   c = min(0.15, 0.15 + 0.04 W - S) = 0.15, 0.05, -0.007, -0.016, 0.018
-    #   t1: Z 0.14 <= 0.15 kept;  t2: Z 0.095 > 0.05 BLOCKED by the budget although Z <= delta (DPPO keeps it);
-    #   t3: Z 0.045 > -0.007 but moving back: kept;  t4: r = 1, A (r - 1) = 0: kept;  t5: Z 0.016 <= 0.018 kept
-    pi = log(0.64, 0.60, 0.45, 0.50, 0.52)[None]
-    mu = log(0.5, 0.5, 0.5, 0.5, 0.5)[None]
-    _, blocked, grad = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5))
-    assert blocked.tolist() == [[False, True, False, False, False]]
-    # kept tokens: grad = -A r = -pi / mu
-    torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))
-    # the same row inside a padded batch, beside a longer completion: unchanged
-    padded_pi = torch.cat([torch.cat([pi, torch.zeros(1, 3)], 1), log(*[0.9] * 8)[None]])
-    padded_mu = torch.cat([torch.cat([mu, torch.zeros(1, 3)], 1), log(*[0.3] * 8)[None]])
-    padded_mask = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 8])
-    _, padded_blocked, padded_grad = grad_of(dppo.cppo_loss, padded_pi, padded_mu, torch.ones(2, 1), padded_mask)
-    assert torch.equal(padded_blocked[0, :5], blocked[0]) and not padded_blocked[0, 5:].any()
-    torch.testing.assert_close(padded_grad[0], torch.cat([grad[0], torch.zeros(3)]))
-    # the upper clamp decides t2: with 2 delta_b_min = 0.10, delta_b = 0.10 and c2 = 0.15 + 0.10 - 0.14 = 0.11 >= 0.095
-    _, wider, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5), delta_b_min=0.05)
-    assert not wider.any()
-
-
-def test_cppo_quantile_interpolates_linearly_as_unirl():
-    # T = 4, w_min = 1 (w = 1), A = 1, mu = 0.5, D = 0.20, 0.14, 0.10, 0.02 (all away); delta 0.15, delta_b_min 0.10
-    #   sorted D = 0.02, 0.10, 0.14, 0.20; at 0.9 * 3 = 2.7: linear 0.14 + 0.7 * 0.06 = 0.182 (in [0.10, 0.20])
-    #   (rule "lower" would give 0.14, "higher" and "nearest" 0.20)
-    #   S_{t-1} = 0, 0.20, 0.34, 0.44;  c = min(0.15, 0.15 + delta_b (t - 1) - S_{t-1})
-    #   linear 0.182: c = 0.15, 0.132, 0.15, 0.15  -> blocked: t1 (0.20 > 0.15), t2 (0.14 > 0.132)
-    #   lower  0.14:  c = 0.15, 0.09, 0.09, 0.13   -> t1, t2, t3 (0.10 > 0.09)
-    #   higher 0.20:  c = 0.15, 0.15, 0.15, 0.15   -> t1 only
-    pi = log(0.70, 0.64, 0.60, 0.52)[None]
-    mu = log(0.5, 0.5, 0.5, 0.5)[None]
-    _, blocked, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 4), w_min=1.0, delta_b_min=0.10)
-    assert blocked.tolist() == [[True, True, False, False]]
-
-
-def quantile_lower(values, q):
-    """The q-quantile without interpolation: the order statistic below q (n - 1), numpy's 'lower'."""
-    return sorted(values)[math.floor(q * (len(values) - 1))]
-
-
-def test_cppo_budget_takes_the_linear_quantile_over_each_completions_own_tokens():
-    """delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min) (CPPO, arXiv 2606.10968, eq. 22) with
-    linear interpolation, as UniRL's torch.quantile, over a completion's own T tokens (3 padding columns here):
-    cppo_loss's mask equals the reference's on completions of 1 to 37 tokens, and the lower rule would differ."""
-    differs = 0
-    for length in (1, 2, 3, 5, 10, 37):
-        g = torch.Generator().manual_seed(length)
-        drift = 0.3 * torch.rand(1, length, generator=g, dtype=torch.float64)
-        assert quantile_linear(drift[0].tolist(), 0.9) == pytest.approx(torch.quantile(drift, 0.9).item(), abs=1e-12)
-        mu = torch.full((1, length + 3), 0.5, dtype=torch.float64)
-        pi = torch.cat([0.5 + drift, torch.full((1, 3), 0.9, dtype=torch.float64)], 1)  # A > 0: every token away
-        mask = (torch.arange(length + 3) < length).double()[None]
-        settings = dict(delta=0.15, w_min=1.0, delta_b_min=0.1)
-        _, blocked, _ = grad_of(dppo.cppo_loss, pi.log(), mu.log(), torch.ones(1, 1), mask, **settings)
-        reference, _, _ = reference_cppo(pi.log(), mu.log(), torch.ones(1, 1), mask, **settings)
-        assert torch.equal(blocked, reference), length
-        lower, _, _ = reference_cppo(pi.log(), mu.log(), torch.ones(1, 1), mask, **settings, quantile=quantile_lower)
-        differs += not torch.equal(lower, reference)
-    assert differs > 0  # the rule matters on these completions
-
-
-@pytest.mark.parametrize("delta", [0.05, 0.15])
-@pytest.mark.parametrize("seed", range(4))
-def test_cppo_without_position_weight_and_budget_is_dppo_binary_tv(seed, delta):
-    logp, logp_anchor, advantages, mask = random_batch(seed, batch=8, width=16)
-    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask, delta, w_min=1.0, delta_b_min=1.0)
-    p, q, real = logp.exp(), logp_anchor.exp(), mask > 0
-    far = (p - q).abs() > delta
-    dppo_blocked = ((advantages > 0) & (p > q) & far) | ((advantages < 0) & (p < q) & far)
-    assert blocked.any() and torch.equal(blocked, dppo_blocked & real)
-    dppo_grad = -advantages * (logp - logp_anchor).exp() * (real & ~dppo_blocked)
-    torch.testing.assert_close(grad, dppo_grad)
-
-
-def test_cppo_uses_each_completions_own_length_not_the_padded_width():
-    logp, logp_anchor, advantages, _ = random_batch(7, batch=2, width=6)
-    mask = torch.tensor([[1.0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])  # a short completion and a long one
-    # short row: A = 1, mu = 0.5, pi = 0.5, 0.5, 0.68: D = 0, 0, 0.18 (the last moving away, D > delta = 0.15)
-    #   T = 3: w = 1, 0.9, 0.8;  quantile_0.9 of 0, 0, 0.18 at 1.8: 0 + 0.8 * 0.18 = 0.144 -> delta_b = 0.04
-    #   c3 = min(0.15, 0.15 + 0.04 * 1.9 - 0) = 0.15;  Z3 = 0.8 * 0.18 = 0.144 <= 0.15: kept
-    #   (over the padded width, w3 = 1 - 0.2 * 2/5 = 0.92 at 6 or 0.99 at 40, and Z3 = 0.166 or 0.178 is blocked)
-    logp[0, :3] = log(0.5, 0.5, 0.68)
-    logp_anchor[0, :3] = math.log(0.5)
-    advantages[0] = 1.0
-    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask)
-    assert not blocked[0].any() and (grad[0, 3:] == 0).all()
-    g = torch.Generator().manual_seed(1)
-    extra = 34
-    wide = (
-        torch.cat([logp, torch.randn(2, extra, generator=g)], 1),
-        torch.cat([logp_anchor, -torch.rand(2, extra, generator=g)], 1),
-        advantages,
-        torch.cat([mask, torch.zeros(2, extra)], 1),
+def test_rollout_correction_bounds_are_inclusive_and_geometric():
+    """The rollout correction's bounds are inclusive, and sequence MIS's mean is geometric (verl's rollout
+    correction)."""
+    w_raw = torch.exp(CORRECTION_PI_OLD - CORRECTION_MU)
+    low, high = w_raw[0, 1].item(), w_raw[0, 2].item()  # 1 and 3 exactly as computed: both kept
+    _, flagged = dppo.rollout_correction(
+        CORRECTION_PI_OLD, CORRECTION_MU, CORRECTION_MASK, "token_mis", low=low, high=high
     )
-    _, wide_blocked, wide_grad = grad_of(dppo.cppo_loss, *wide)
-    assert wide_blocked.shape == (2, 40) and not wide_blocked[:, 6:].any() and (wide_grad[:, 6:] == 0).all()
-    assert torch.equal(wide_blocked[:, :6], blocked) and torch.equal(wide_grad[:, :6], grad)
+    assert flagged.tolist() == [[True, False, False, True, False]]
+    # seq_mis on the geometric mean, not the product: w = 4, 4 (product 16), a padding slot; [4, 4] as computed keeps it
+    pi_old, mu, mask = logs(0.8, 0.8, 0.3), logs(0.2, 0.2, 0.9), torch.tensor([[1.0, 1, 0]])
+    four = torch.exp(pi_old - mu)[0, 0].item()
+    assert near(dppo.rollout_correction(pi_old, mu, mask, "seq_mis", math.inf, four, four)[0], [[4.0, 4.0, 0.0]])
+    # a recorded log mu of -inf counts as log 1e-12: w = 0.5 / 1e-12 = 5e11, finite
+    w, _ = dppo.rollout_correction(logs(0.5), torch.full((1, 1), -math.inf), torch.ones(1, 1), "tis", math.inf)
+    assert w.item() == pytest.approx(5e11)
+    # anchored to mu itself, w = 1: no correction
+    assert dppo.rollout_correction(CORRECTION_MU, CORRECTION_MU, CORRECTION_MASK, "tis")[0].tolist() == [
+        [1.0, 1, 1, 1, 0]
+    ]
 
 
-def test_cppo_never_blocks_a_token_moving_back_toward_mu():
-    p = torch.tensor([0.001, 0.1, 0.3, 0.49, 0.5])  # the last: pi = mu exactly
-    logp = torch.stack([p.log(), (1 - p).log()])  # A > 0 with pi <= mu, then A < 0 with pi >= mu
-    logp_anchor = torch.full((2, 5), math.log(0.5))
-    advantages = torch.tensor([[1.0], [-1.0]])
-    # delta and budget as tight as they go: every c_t <= 0.01, every Z_t up to 0.5
-    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, torch.ones(2, 5), 0.01, 0.5, 1e-4)
-    assert not blocked.any()
-    torch.testing.assert_close(grad, -advantages * (logp - logp_anchor).exp())
+# The DPPO paper's --recompute_old (Stable-RL's compute_policy_loss_with_mask): the trust region's mask M from pi_old,
+# the importance weight pi / mu against the sampler. A pi_old-anchored loss times w = min(pi_old / mu, inf) has the
+# per-token gradient -A * (pi / pi_old) * M * (pi_old / mu) = -A * (pi / mu) * M. Rows A = +1 and A = -1, same tokens:
+#   ppo_clip: pi / pi_old = 0.5/0.45 = 1.11 (inside), 0.3/0.2 and 0.9/0.6 = 1.5 (above 1.28), 0.3/0.5 = 0.6 (below 0.8):
+#     A = +1: tokens 1, 2 blocked; -pi/mu = -0.5/0.4 = -1.25 and -0.3/0.6 = -0.5. A = -1: token 3 blocked;
+#     0.5/0.4 = 1.25, 0.3/0.25 = 1.2, 0.9/0.5 = 1.8.
+#   binary_tv, delta 0.15: D = |pi - pi_old| = 0.05, 0.3 (pi rises), 0.3 (pi falls): A = +1 blocks token 1 only,
+#     -0.5/0.4 = -1.25, -0.2/0.8 = -0.25; A = -1 blocks token 2 only, 1.25, 0.9/0.5 = 1.8.
+RECOMPUTE_CASES = {
+    "ppo_clip": (
+        (0.5, 0.3, 0.9, 0.3),
+        (0.45, 0.2, 0.6, 0.5),
+        (0.4, 0.25, 0.5, 0.6),
+        [[-1.25, 0.0, 0.0, -0.5], [1.25, 1.2, 1.8, 0.0]],
+    ),
+    "binary_tv": ((0.5, 0.9, 0.2), (0.45, 0.6, 0.5), (0.4, 0.5, 0.8), [[-1.25, 0.0, -0.25], [1.25, 1.8, 0.0]]),
+}
 
 
-def test_cppo_a_one_token_completion_has_weight_one():
-    # T = 1: w = 1, so Z = D against delta = 0.15 (w_min = 0.8 would give 0.8 * 0.16 = 0.128 and keep it)
-    # T = 2: w = 1, 0.8: the last token's Z = 0.8 * 0.18 = 0.144 <= c = min(0.15, 0.15 + delta_b * 1 - 0) = 0.15, kept
-    logp = torch.stack([log(0.66, 0.5), log(0.64, 0.5), log(0.5, 0.68)])
-    logp_anchor = torch.full((3, 2), math.log(0.5))
-    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
-    _, blocked, _ = grad_of(dppo.cppo_loss, logp, logp_anchor, torch.ones(3, 1), mask)
-    assert blocked.tolist() == [[True, False], [False, False], [False, False]]
-
-
-@pytest.mark.parametrize("delta, w_min, delta_b_min", [(0.15, 0.8, 0.02), (0.1, 0.5, 0.1), (0.2, 0.8, 0.05)])
-@pytest.mark.parametrize("seed", range(5))
-def test_cppo_mask_and_gradient_as_the_reference(seed, delta, w_min, delta_b_min):
-    logp, logp_anchor, advantages, mask = random_batch(seed, batch=8, width=16)
-    logp_anchor[5, 1] = -float("inf")  # mu = 0 on a real token
-    is_cap = 3.0 if seed % 2 else math.inf
-    _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap)
-    ref_blocked, ref_grad, margin = reference_cppo(
-        logp, logp_anchor, advantages, mask, delta, w_min, delta_b_min, is_cap
-    )
-    clear = margin > 1e-5  # leave out ties Z = c, where fp32 and float64 may round apart (none expected)
-    assert clear.float().mean() > 0.99
-    assert torch.equal(blocked[clear], ref_blocked[clear])
-    torch.testing.assert_close(grad[clear], ref_grad[clear].float())
-    assert ref_blocked.any() and (~ref_blocked & (mask > 0)).any()
-
-
-def test_cppo_an_empty_completion_gives_finite_zeros():
-    logp, logp_anchor, advantages, _ = random_batch(3, batch=2, width=5)
-    loss, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, torch.zeros(2, 5))
-    assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
-
-
-# ============================================================================ both: awkward inputs
-
-
-def cppo_all_real(logp, logp_anchor, advantages, **kwargs):
-    return dppo.cppo_loss(logp, logp_anchor, advantages, torch.ones_like(logp), **kwargs)
-
-
-@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
-def test_drpo_cppo_minus_inf_anchor_equals_the_clamped_anchor(loss_fn):
-    logp, logp_anchor, advantages, _ = random_batch(11)
-    logp = logp.clamp(max=0)
-    logp_anchor[:, ::3] = -float("inf")
-    loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
-    clamped = grad_of(loss_fn, logp, logp_anchor.clamp(min=LOG_1E12), advantages)
-    assert loss.isfinite().all() and grad.isfinite().all()
-    assert torch.equal(loss, clamped[0]) and torch.equal(blocked, clamped[1]) and torch.equal(grad, clamped[2])
-
-
-@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
-def test_drpo_cppo_probabilities_at_zero_and_one(loss_fn):
-    # p, q in {1 (log 0), 0 (log -200 underflows exp to 0; log -inf for mu)} and in between, both advantage signs
-    values = [0.0, -1e-8, -0.7, -200.0]
-    pairs = [(lp, la) for lp in values for la in values + [-float("inf")]]
-    logp = torch.tensor([[lp for lp, _ in pairs]] * 2)
-    logp_anchor = torch.tensor([[la for _, la in pairs]] * 2)
-    loss, _, grad = grad_of(loss_fn, logp, logp_anchor, torch.tensor([[1.0], [-1.0]]))
-    assert loss.isfinite().all() and grad.isfinite().all()
-
-
-@pytest.mark.parametrize("loss_fn", [dppo.drpo_loss, cppo_all_real], ids=["drpo", "cppo"])
-def test_drpo_cppo_bf16_inputs(loss_fn):
-    logp, logp_anchor, advantages, _ = random_batch(5)
-    logp, logp_anchor = logp.clamp(max=0).bfloat16(), logp_anchor.bfloat16()
-    loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
-    rounded = grad_of(loss_fn, logp.float(), logp_anchor.float(), advantages)
-    assert loss.isfinite().all() and grad.isfinite().all()
-    assert rounded[0].isfinite().all() and rounded[2].isfinite().all()
-    if loss_fn is cppo_all_real:  # the mask is computed in fp32: bf16 tensors and their fp32 copies agree
-        assert torch.equal(blocked, rounded[1])
-
-
-# ---------------------------------------------------------------------------- DCPO's smooth advantages
-
-
-def test_sas_first_visit_is_grpo():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    history = {}
-    sas = dppo.sas_advantages(rewards, 4, prompt_keys=[7, 3], history=history)
-    assert torch.allclose(sas, dppo.grpo_advantages(rewards, 4), atol=1e-5)
-    assert set(history) == {7, 3} and history[7][0] == 1
-
-
-def test_sas_on_a_hand_worked_sequence_of_visits():
-    history = {}
-    # visit 1: R = (1, 0, 0, 0): mean 0.25, std 0.5 -> (1.5, -0.5, -0.5, -0.5)
-    a1 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0]), 4, [0], history)
-    assert torch.allclose(a1, torch.tensor([1.5, -0.5, -0.5, -0.5]))
-    # visit 2: R = (1, 1, 0, 0): mean_new 0.5, std_new sqrt(1/3); mean_tot 0.375,
-    # var_tot = (0.25 + 1/3 + (1/2) 0.25^2) / 2 = 0.307292, std_tot 0.554339.
-    # A_new = +-0.866025, A_tot = 1.127469 / -0.676481; at i = 2 both mixtures are their average.
-    a2 = dppo.sas_advantages(torch.tensor([1.0, 1, 0, 0]), 4, [0], history)
-    assert torch.allclose(a2, torch.tensor([0.996747, 0.996747, -0.771253, -0.771253]), atol=1e-5)
-    # visit 3 with all-equal rewards (0, 0, 0, 0): A_new = 0; mean_tot 0.25,
-    # var_tot = (2 * 0.307292 + 0 + (2/3) 0.375^2) / 3 = 0.236111, A_tot = -0.25 / 0.485913 = -0.514496.
-    # SA_new = (1/3) A_tot = -0.171499 beats SA_tot = (2/3) A_tot: no dead zone.
-    a3 = dppo.sas_advantages(torch.tensor([0.0, 0, 0, 0]), 4, [0], history)
-    assert torch.allclose(a3, torch.full((4,), -0.171499), atol=1e-5)
-    assert history[0][0] == 3 and history[0][1] == pytest.approx(0.25)
-
-
-def test_sas_takes_the_smaller_magnitude_per_completion():
-    history = {}
-    for rewards in ([1.0, 0, 0, 0], [1.0, 1, 0, 0]):
-        dppo.sas_advantages(torch.tensor(rewards), 4, ["x"], history)
-    # visit 3, R = (1, 0, 0, 0): A_new = (1.5, -0.5), A_tot = (1.234427, -0.617213) (mean_tot 1/3, std_tot 0.540062)
-    # SA_new = (1.411476, -0.539071), SA_tot = (1.322951, -0.578142): SA_tot wins for R = 1, SA_new for R = 0.
-    a3 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0]), 4, ["x"], history)
-    assert torch.allclose(a3, torch.tensor([1.322951, -0.539071, -0.539071, -0.539071]), atol=1e-5)
-
-
-def test_sas_keeps_each_prompts_history_by_its_key_not_its_position():
-    history = {}
-    # visit 1: "a" gets R = (1, 0, 0, 0), "b" R = (1, 1, 0, 0): both plain GRPO
-    dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, ["a", "b"], history)
-    # visit 2 in the other order, each prompt with the other's earlier rewards:
-    # "b", R = (1, 0, 0, 0): mean_new 0.25, std_new 0.5; mean_tot 0.375, var_tot = (1/3 + 0.25 + (1/2) 0.25^2) / 2
-    #   = 0.307292, std_tot 0.554339; A_new = (1.5, -0.5), A_tot = (1.127469, -0.676481); at i = 2 both mixtures
-    #   are the average: (1.313735, -0.588241).
-    # "a", R = (1, 1, 0, 0): as visit 2 of test_sas_on_a_hand_worked_sequence_of_visits: (0.996747, -0.771253).
-    # Keyed by position, the first group would see (1, 0, 0, 0) twice: std_tot 0.5 and A = (1.5, -0.5).
-    a2 = dppo.sas_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), 4, ["b", "a"], history)
-    expected = [1.313735, -0.588241, -0.588241, -0.588241, 0.996747, 0.996747, -0.771253, -0.771253]
-    assert torch.allclose(a2, torch.tensor(expected), atol=1e-5)
-
-
-def test_epochs_revisit_every_prompt():
-    seen = [i for step in range(1, 5) for i in dppo.problem_batch(n_problems=8, batch_size=4, seed=0, step=step)]
-    assert sorted(seen[:8]) == sorted(seen[8:]) == list(range(8))  # 2 epochs of 2 steps
-    assert seen[:8] != seen[8:]  # each pass in its own order
+@pytest.mark.parametrize("objective", list(RECOMPUTE_CASES))
+def test_pi_old_anchored_loss_times_tis_has_the_gradient_of_the_papers_recompute_form(objective):
+    """The DPPO paper's recompute ablation (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss times
+    sg(pi_old / mu) has the gradient of -A sg(pi / mu) M log pi."""
+    p, p_old, q, grad = RECOMPUTE_CASES[objective]
+    logp, logp_pi_old, logp_mu = (logs(*x).repeat(2, 1) for x in (p, p_old, q))
+    A = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    logp.requires_grad_()
+    if objective == "ppo_clip":
+        loss, blocked = dppo.ppo_clip_loss(logp, logp_pi_old, A)
+    else:
+        loss, blocked = dppo.dppo_loss(logp, logp_pi_old, A, dppo.binary_tv(logp_pi_old, logp), 0.15, 0.15)
+    w, _ = dppo.rollout_correction(logp_pi_old, logp_mu, torch.ones_like(logp_pi_old), "tis", math.inf)
+    g = d_loss_d_logp(loss * w, logp)
+    assert torch.allclose(g, torch.tensor(grad, dtype=torch.float64))
+    paper = -A * torch.exp(logp - logp_mu).detach() * ~blocked * logp  # -A * sg(pi / mu) * M * log pi
+    assert torch.allclose(g, d_loss_d_logp(paper, logp))
 
 
 # ---------------------------------------------------------------------------- aggregation and micro-batching
@@ -2117,24 +2227,6 @@ def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
     assert first.mean().item() != pytest.approx(later.mean().item(), rel=1e-3)  # the two halves differ, so labels show
     assert two["policy/mismatch_first_update_mean"] == pytest.approx(first.mean().item(), rel=1e-5)
     assert two["policy/drift_later_updates_mean"] == pytest.approx(later.mean().item(), rel=1e-5)
-
-
-def test_erc_counts_as_blocked_only_tokens_with_a_gradient_to_lose(tiny_policy):
-    """ERC (arXiv 2512.05591) masks a token whose entropy ratio leaves its band whatever its advantage; a token with
-    A = 0 has no gradient to lose, so the blocked shares count it nowhere: the rare blocked share is then at most the
-    blocked share (every token here is rare: mu(a_t) is about 1/300)."""
-    model = tiny_policy[0]
-    rollout, A = hand_built_rollout(model.config.vocab_size)
-    A[::2] = 0.0
-    mu = rollout.mu._replace(entropy=rollout.mu.entropy * 2)  # every entropy ratio near 1/2: out of the band
-    rollout = dataclasses.replace(rollout, mu=mu, anchor=mu)
-    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
-    metrics = dppo.update_policy(model, frozen, rollout, A, config(objective="erc", updates_per_step=1))
-    m = rollout.completion_mask.bool()
-    assert metrics["erc/kept_frac"] == 0 and metrics["policy/rare_token_frac"] == 1
-    with_a_gradient = (m & (A != 0)[:, None]).sum().item() / m.sum().item()
-    assert metrics["trust_region/blocked_frac"] == pytest.approx(with_a_gradient)
-    assert metrics["trust_region/blocked_rare_frac"] == pytest.approx(with_a_gradient)
 
 
 @pytest.mark.parametrize("objective, with_topk, with_entropy", [("ppo_clip", 0, 0), ("topk_tv", 1, 0), ("erc", 0, 1)])
