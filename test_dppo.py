@@ -1,14 +1,17 @@
 """Tests for dppo.py and rewards.py. Run: HF_HUB_OFFLINE=1 python -m pytest -q   (one objective: -k <objective>)
 
 The math tests use hand-built tensors and hand-computed numbers; the model tests use a tiny random Qwen2 written with
-save_pretrained and loaded back by path, as a user's checkpoint would be. What each objective is checked against:
+save_pretrained and loaded back by path, as a user's checkpoint would be. Each objective's tests sit in a section of
+its own, each naming its paper and equation (grep "eq. 11"); mechanisms every objective shares (micro-batches,
+processes, resume) have theirs. What each objective is checked against:
 
   pg         hand-computed gradient -A*r, its cap C; never blocks; the demo end to end (fp32, bf16)
   ppo_clip   hand-built losses and gradients, asymmetric bounds and dual-clip; relaxed clip against Stable-RL's rule
              on a grid; 1, 4 or 3 uneven micro-batches; two processes = one; the paper's recompute gradient
   dcpo       the worked bounds of SPEC/the DCPO paper; bounds and loss with asymmetric eps and r_max; SAS by hand;
              two epochs revisit every prompt
-  erc        the entropy band masks the gradient but keeps the token in the mean; asymmetric betas
+  erc        the entropy band masks the gradient but keeps the token in the mean; asymmetric betas; A = 0 never
+             counts as blocked
   cispo      the weight is clipped, never the token; its defaults (no lower bound, cap 5)
   gspo       one ratio per completion over its real tokens whatever the padding; its bounds; two processes = one
   binary_tv, binary_kl, topk_tv, topk_kl
@@ -19,9 +22,12 @@ save_pretrained and loaded back by path, as a user's checkpoint would be. What e
              gradient -A*r*w against a plain-Python reference of the paper's formula on random batches
   cppo       its mask by hand on a completion whose early drift spends the budget; the quantile's interpolation;
              = binary_tv without position weight and budget; T per completion, not the padded width; moves back
-             never blocked; mask and gradient against a plain-Python reference on random batches; two processes = one
-  every one  thousands of extreme inputs stay finite; an anchor of -inf is clamped inside the function itself;
-             objective_loss passes every flag to its place; the demo trains two steps (fp32, bf16, on a GPU)
+             never blocked; mask and gradient against a plain-Python reference on random batches; two processes = one;
+             its ratio in the input's dtype
+  every one  thousands of extreme inputs stay finite; an anchor of -inf is clamped inside the function itself; the
+             README's list of what to copy runs alone in a namespace of torch and math; objective_loss passes every
+             flag to its place; the demo trains two steps (fp32, bf16, on a GPU); the README's figures
+             (figures/what_dppo_changes.py) end where the papers' closed forms do
 """
 
 import os
