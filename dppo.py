@@ -8,7 +8,7 @@ the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objec
 
 Names: mu is the sampler's distribution, recorded while sampling; pi is the policy being trained; the *anchor* is
 what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's first update
-(--recompute_old, the paper's ablation). The algorithm in this file's names, in the order the file reads:
+(--recompute_old, the paper's ablation). The algorithm in this file's names, in the order they run:
 
     for step in 1 .. steps:                                                        rl_step
         sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  generate_rollout, SamplingRecorder

@@ -52,8 +52,12 @@ SIDES = {"A > 0": 1.0, "A < 0": -1.0}
 
 def gradient_weight(flags, mu: torch.Tensor, pi: torch.Tensor, sign: float, place="first") -> torch.Tensor:
     """Tokens with mu(a_t) = mu, pi(a_t) = pi and advantage `sign`: d loss / d log pi(a_t) by objective_loss and
-    autograd, over plain PG's -A * pi/mu. 1: the gradient passes as PG's; 0: blocked; else re-weighted. The anchor
-    is mu; objective_loss gets log-probs only, so the objectives drawn are those that need no top-K or entropy."""
+    autograd, over the same for --objective pg (plain PG, -A pi/mu). 1: the gradient passes as PG's; 0: blocked; else
+    re-weighted. The anchor is mu; objective_loss gets log-probs only: the objectives drawn need no top-K or entropy."""
+    return token_gradient(flags, mu, pi, sign, place) / token_gradient(["--objective", "pg"], mu, pi, sign, place)
+
+
+def token_gradient(flags, mu: torch.Tensor, pi: torch.Tensor, sign: float, place: str) -> torch.Tensor:
     cfg = dppo.parse_config(flags)
     logp, logp_mu = pi.double().log()[:, None], mu.double().log()[:, None]
     if place == "spent":
@@ -66,8 +70,7 @@ def gradient_weight(flags, mu: torch.Tensor, pi: torch.Tensor, sign: float, plac
         cfg, dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None), advantages, torch.ones_like(logp)
     )
     loss.sum().backward()
-    plain_pg = -advantages * (logp - logp_mu).exp()
-    return (logp.grad / plain_pg)[:, -1].detach()
+    return logp.grad[:, -1]
 
 
 def furthest_reach(flags, mu: torch.Tensor, sign: float, place="first", iterations=60) -> torch.Tensor:
