@@ -10,11 +10,11 @@ Names: mu is the sampler's distribution, recorded while sampling; pi is the poli
 what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's first update
 (--recompute_old, the paper's ablation). The algorithm in this file's names, in the order they run:
 
-    for step in 1 .. steps:                                                        rl_step
+    for step in 1 .. steps:                                                        train, rl_step
         sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  generate_rollout, SamplingRecorder
         reward 1/0 for the right final answer                                       rewards.py
         advantages per group of G completions                                       grpo_advantages | sas_advantages
-        [--recompute_old: the anchor becomes pi_old]                                recompute_anchor
+        the anchor is mu as sampled; [--recompute_old] pi_old, with a correction    recompute_anchor
         M mini-batches, one AdamW step each, on                                     update_policy
           sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
           loss_t from log pi, the anchor and A:                                     objective_loss
@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -60,27 +61,14 @@ import huggingface_hub.constants
 import huggingface_hub.utils
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LogitsProcessor,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    StaticCache,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
+from transformers import PreTrainedTokenizerFast, Qwen2Config, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from rewards import extract_answer, extract_gold, reward
@@ -98,21 +86,23 @@ def setting(default, help, choices=""):  # a Config field that is also a command
 
 @dataclasses.dataclass
 class Config:
+    # -------- what is trained, on what
     model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
     objective: str = setting("ppo_clip", "the per-token loss: which trust region (see README)", " ".join(OBJECTIVES))
+    # -------- sampling: the rollout and mu
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
     temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from a copy in this dtype", "policy float32 bfloat16 float16")
-    generation_cache: str = setting("dynamic", "KV cache: grown a token at a time, or allocated once", "dynamic static")
-    max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: the longest, to 64s)")
+    # -------- advantages and the loss's aggregation
     advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
     scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", "group none")
     loss_agg: str = setting("token_mean", "see token_weights", "token_mean seq_mean_token_mean seq_sum seq_sum_norm")
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
+    # -------- the objectives' thresholds
     clip_low: float = setting(0.2, "ppo_clip, erc, gspo: r clipped at 1 - clip_low (cispo: its weight); dcpo: eps")
     clip_high: float = setting(0.28, "ppo_clip, erc, gspo: r clipped at 1 + clip_high (cispo: its weight); dcpo: eps")
     relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", "none high low both")
@@ -128,29 +118,31 @@ class Config:
     cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
     cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
     is_cap: float = setting(math.inf, "pg, DPPO, cppo: cap C on the importance weight min(r, C); inf: none")
+    # -------- the paper's ablation: the trust region anchored to pi_old
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
     rollout_correction: str = setting("tis", "--recompute_old: its weight on pi_old/mu", "tis token_mis seq_mis none")
-    correction_cap: float = setting(
-        2.0, "--rollout_correction tis, seq_mis: the cap on w (verl's rollout_is_threshold)"
-    )
+    correction_cap: float = setting(2.0, "tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
     correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop)")
     correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop)")
+    # -------- training
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
-    updates_per_step: int = setting(
-        4, "M: mini-batches per rollout batch, an optimizer step each (trust regions: 2..M)"
-    )
+    updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (trust regions: 2+)")
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
-    gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward")
-    precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", "auto bf16 fp32")
+    seed: int = setting(0, "seed for data order, sampling and initialisation")
+    # -------- evaluation
     eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
     eval_samples: int = setting(0, "k > 0: also avg@k and pass@k over k samples a problem at --temperature")
-    seed: int = setting(0, "seed for data order, sampling and initialisation")
+    # -------- plumbing: memory, speed, files
+    gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward")
+    precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", "auto bf16 fp32")
+    generation_cache: str = setting("dynamic", "KV cache: grown a token at a time, or allocated once", "dynamic static")
+    max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: the longest, to 64s)")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
     save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
@@ -181,28 +173,49 @@ DEMO_DEFAULTS = dict(
     eval_batch_size=250,
 )
 
+
 # ============================================================================ one RL step
 
 
-def rl_step(step: int, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg: Config) -> dict:
-    rank, world = rank_and_world()
-    indices = problem_batch(len(train_problems), cfg.prompts_per_step, cfg.seed, step)
-    mine = indices[rank * len(indices) // world : (rank + 1) * len(indices) // world]  # this process's share
-    problems = [train_problems[i] for i in mine for _ in range(cfg.samples_per_prompt)]
-    clock = {}
-    with measured("rollout", clock, model.device):
-        refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
-        rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in problems], cfg)
-        rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)])
-        all_rewards, all_advantages = step_advantages(rewards.to(model.device), indices, reward_history, cfg)
-    with measured("update", clock, model.device):
-        if cfg.recompute_old:
-            rollout = recompute_anchor(model, rollout, cfg)
-        update_metrics = update_policy(model, optimizer, rollout, all_advantages.chunk(world)[rank], cfg)
-    return {"step": step, **step_metrics(rollout, all_rewards, all_advantages, clock, model, cfg), **update_metrics}
+def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_history, cfg: Config) -> dict:
+    """Sample G completions of each of the step's prompts, reward them, turn the rewards into advantages, update pi;
+    the step's metrics."""
+    clock = PhaseClock(model.device)  # each phase's time and peak memory, for the metrics
+    indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, step)  # the step's P prompts
+    batch = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]
+    refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
+    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
+    rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
+    all_rewards = all_gathered(rewards.to(model.device)).cpu()  # every process's, in prompt order
+    advantages = step_advantages(all_rewards, indices, reward_history, cfg)
+    clock.lap("rollout")
+    anchor, correction, correction_metrics = rollout.mu, torch.ones_like(rollout.completion_mask), {}  # DPPO's
+    if cfg.recompute_old:  # the paper's ablation: the anchor becomes pi_old, and a weight corrects pi_old to mu
+        anchor, correction, correction_metrics = recompute_anchor(model, rollout, cfg)
+    update_metrics = update_policy(model, optimizer, rollout, anchor, this_process_share(advantages), correction, cfg)
+    clock.lap("update")
+    return {**step_metrics(rollout, all_rewards, advantages, clock, model, cfg), **correction_metrics, **update_metrics}
 
 
-# ============================================================================ rollout
+# ============================================================================ rollout: the prompts, sampling, mu
+
+
+def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
+    epoch, position = divmod(step - 1, n_problems // batch_size)
+    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
+    return order[position * batch_size : (position + 1) * batch_size]
+
+
+# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompt(tokenizer, question: str) -> str:
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
 
 
 class LogProbs(NamedTuple):
@@ -211,6 +224,10 @@ class LogProbs(NamedTuple):
     logp: torch.Tensor  # (B, T)    log p(a_t | s_t) of the sampled token
     topk_logp: Optional[torch.Tensor]  # (B, T, K) log p at mu's top-K ids (the sampled token among them)
     entropy: Optional[torch.Tensor]  # (B, T)    full-vocabulary entropy of p(. | s_t)
+
+    def select(self, rows: torch.Tensor, T: int) -> "LogProbs":
+        """These rows' first T tokens."""
+        return LogProbs(*(None if x is None else x[rows, :T] for x in self))
 
 
 class SamplingRecorder(LogitsProcessor):
@@ -259,9 +276,9 @@ class SamplingRecorder(LogitsProcessor):
         return torch.stack(self.topk_ids[:T], dim=1), LogProbs(*(torch.stack(x[:T], dim=1) for x in steps))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Rollout:
-    """B = P*G sampled completions (a prompt's G samples in consecutive rows), mu, and the trust region's anchor."""
+    """What sampling produced: B = P*G completions (a prompt's G samples in consecutive rows) and mu."""
 
     prompt_ids: torch.Tensor  # (B, Lp) left-padded
     prompt_mask: torch.Tensor  # (B, Lp)
@@ -269,53 +286,33 @@ class Rollout:
     completion_mask: torch.Tensor  # (B, T)  1.0 up to and including the first EOS, 0.0 after
     topk_ids: torch.Tensor  # (B, T, K) mu's K most probable ids, the sampled token always among them
     mu: LogProbs  # the sampler's, as recorded while sampling
-    anchor: LogProbs  # what the trust region measures from: mu, or pi_old under --recompute_old
     texts: list[str]  # the completions as text, up to the first EOS
-    advantages: Optional[torch.Tensor] = None  # (B, 1) set for the update
-    correction: Optional[torch.Tensor] = None  # (B, T) --recompute_old's rollout correction (else 1)
-    weights: Optional[torch.Tensor] = None  # (B, T) the aggregation's token weights, set per mini-batch
 
-    def select(self, index: torch.Tensor) -> "Rollout":
-        """These rows (a mini-batch, or a micro-batch of one), every field alike."""
-        return Rollout(**{name: part(value, index) for name, value in vars(self).items()})
-
-    def trimmed(self) -> "Rollout":
-        """The same rows without the columns that are padding in all of them: less to compute in a forward pass."""
-        first = int(self.prompt_mask.any(0).int().argmax())  # the first prompt column that any row uses
-        T = int(self.completion_mask.sum(1).max())  # the longest completion, its EOS included
-        per_token = ("completion_ids", "completion_mask", "topk_ids", "mu", "anchor", "correction", "weights")
-        columns = {name: part(getattr(self, name), (slice(None), slice(T))) for name in per_token}
-        return dataclasses.replace(
-            self, prompt_ids=self.prompt_ids[:, first:], prompt_mask=self.prompt_mask[:, first:], **columns
-        )
-
-
-def part(x, index):
-    """x[index] of a tensor, of each tensor of a LogProbs, or of a list's items; None stays None."""
-    if isinstance(x, LogProbs):
-        return LogProbs(*(part(tensor, index) for tensor in x))
-    if isinstance(x, list):
-        return [x[i] for i in index]
-    return None if x is None else x[index]
+    def select(self, rows: torch.Tensor) -> "Rollout":
+        """These rows (a micro-batch), without the columns that are padding in all of them: less for a forward pass."""
+        first = int(self.prompt_mask[rows].any(0).int().argmax())  # the first prompt column that any row uses
+        T = int(self.completion_mask[rows].sum(1).max())  # the longest completion, its EOS included
+        prompts = dict(prompt_ids=self.prompt_ids[rows, first:], prompt_mask=self.prompt_mask[rows, first:])
+        tokens = {name: getattr(self, name)[rows, :T] for name in ("completion_ids", "completion_mask", "topk_ids")}
+        return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), texts=[self.texts[i] for i in rows])
 
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """One completion per prompt, recording mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
-        inputs, completion_ids, mask = generate(
+        inputs, completions, mask = generate(
             model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg)
         )
-    topk_ids, mu = recorder.finish(completion_ids)
+    topk_ids, mu = recorder.finish(completions)
     return Rollout(
         prompt_ids=inputs.input_ids,
         prompt_mask=inputs.attention_mask,
-        completion_ids=completion_ids,
+        completion_ids=completions,
         completion_mask=mask,
         topk_ids=topk_ids,
         mu=mu,
-        anchor=mu,  # DPPO's anchor; recompute_anchor replaces it under --recompute_old
-        texts=decode(tokenizer, completion_ids, mask),
+        texts=decode(tokenizer, completions, mask),
     )
 
 
@@ -324,9 +321,36 @@ def sampling(cfg: Config) -> dict:
     return dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
+def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
+    """(prompt inputs, completion ids, completion mask) of model.generate. The prompts are left-padded, so that every
+    completion starts in the same column; the mask keeps each completion up to its first EOS (generate pads after)."""
+    static = cfg.generation_cache == "static"  # every call the same shapes: see static_cache
+    inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
+    prompt_length = inputs.input_ids.shape[1]
+    if static:
+        decoding |= static_cache(model, prompt_length + cfg.max_new_tokens)
+    output_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)
+    completion_ids = output_ids[:, prompt_length:]
+    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
+    """Left-padded (every completion starts in the same column) to `length`, or to the longest prompt if 0."""
+    padding = dict(padding="max_length", max_length=length) if length else dict(padding=True)
+    special = not tokenizer.chat_template  # a chat template already holds the special tokens
+    inputs = tokenizer(prompts, return_tensors="pt", padding_side="left", add_special_tokens=special, **padding)
+    return inputs.to(device)
+
+
 def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
     return (is_eos.cumsum(1) - is_eos == 0).float()  # 1.0 up to and including the first EOS (generate() pads after)
+
+
+def decode(tokenizer, completion_ids, mask) -> list[str]:
+    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
+    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 # ============================================================================ advantages
@@ -364,44 +388,40 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
     return torch.cat(advantages)
 
 
-def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> tuple:
-    # every process's rewards, in prompt order: SAS's history is the same everywhere
-    all_rewards = all_gathered(rewards).cpu()
+def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> torch.Tensor:
+    """The step's rewards, in prompt order, to advantages: GRPO's, or SAS's from each prompt's reward history."""
     if cfg.advantage == "sas":
-        return all_rewards, sas_advantages(all_rewards, cfg.samples_per_prompt, indices, reward_history)
-    return all_rewards, grpo_advantages(all_rewards, cfg.samples_per_prompt, cfg.scale_rewards)
+        return sas_advantages(rewards, cfg.samples_per_prompt, indices, reward_history)
+    return grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards)
 
 
 # ============================================================================ update
 
 
-def update_policy(model, optimizer, rollout: Rollout, advantages: torch.Tensor, cfg: Config) -> dict:
-    stats = TokenStats()
-    correction = torch.ones_like(rollout.completion_mask)
-    if cfg.recompute_old:  # the paper's form: the trust region measures from pi_old, the importance weight from mu
-        bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-        pi_old, mu, mask = rollout.anchor.logp, rollout.mu.logp, rollout.completion_mask
-        correction, flagged = rollout_correction(pi_old, mu, mask, mode=cfg.rollout_correction, **bounds)
-        add_correction_stats(stats, rollout, correction, flagged)
-    rollout = dataclasses.replace(rollout, advantages=advantages.to(model.device)[:, None], correction=correction)
-    with_topk, with_entropy = beyond_logp(cfg.objective)
-    losses, grad_norms = [], []
+def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
+    """M optimizer steps on one rollout: for each mini-batch its token weights; for each of its micro-batches log pi,
+    the objective's per-token loss and backward; then one clipped AdamW step."""
+    A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
+    stats, losses, grad_norms = TokenStats(), [], []
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
-    for update, minibatch in enumerate(torch.randperm(len(advantages)).chunk(cfg.updates_per_step)):
-        batch = rollout.select(minibatch).trimmed()
-        counted = batch.completion_mask * (batch.advantages != 0) if cfg.skip_zero_advantage else batch.completion_mask
+    for update, minibatch in enumerate(torch.randperm(len(A)).chunk(cfg.updates_per_step)):
+        counted = rollout.completion_mask[minibatch]  # the tokens the loss is averaged over
+        if cfg.skip_zero_advantage:
+            counted = counted * (A[minibatch] != 0)
         counts = all_reduced(token_counts(counted))  # the whole mini-batch's, over every process
-        batch.weights = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * batch.correction
+        weights = torch.zeros_like(correction)  # (B, T): each of this mini-batch's tokens' share of its loss
+        weights[minibatch] = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * correction[minibatch]
         optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=model.device)  # this process's share
-        for rows in torch.arange(len(minibatch)).split(cfg.micro_batch_size):
-            mb = batch.select(rows).trimmed()
-            pi = policy_logprobs(model, mb, cfg.temperature, with_topk, with_entropy, cfg.precision)
-            token_loss, blocked = objective_loss(cfg, pi, mb.anchor, mb.advantages, mb.completion_mask)
-            micro_loss = (token_loss * mb.weights).sum()
+        for rows in minibatch.split(cfg.micro_batch_size):
+            sampled = rollout.select(rows)
+            T = sampled.completion_ids.shape[1]
+            pi = policy_logprobs(model, sampled, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
+            token_loss, blocked = objective_loss(cfg, pi, anchor.select(rows, T), A[rows], sampled.completion_mask)
+            micro_loss = (token_loss * weights[rows, :T]).sum()
             micro_loss.backward()
             loss += micro_loss.detach()
-            add_token_stats(stats, cfg, mb, pi, blocked, first_update=update == 0)
+            add_token_stats(stats, cfg, sampled, pi, anchor.select(rows, T), A[rows], blocked, first=update == 0)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         if not math.isfinite(grad_norms[-1]):  # the same on every process: the norm is over the whole model
             model.eval()
@@ -439,17 +459,30 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def recompute_anchor(model, rollout: Rollout, cfg: Config) -> Rollout:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, computed as far as the
-    objective reads it (beyond_logp); mu stays as sampled."""
-    wanted = (True, *beyond_logp(cfg.objective))
-    pi_old = LogProbs(*(torch.zeros_like(x) if want else None for x, want in zip(rollout.mu, wanted)))
+def recompute_anchor(model, rollout: Rollout, cfg: Config) -> tuple[LogProbs, torch.Tensor, dict]:
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the rollout's tokens
+    as far as the objective reads it (zeros after each completion); the loss's per-token weight is rollout_correction's
+    on pi_old / mu. Returns pi_old, that weight, and its metrics."""
+    needs = objective_needs(cfg.objective)
+    logp = torch.zeros_like(rollout.mu.logp)
+    topk_logp = torch.zeros_like(rollout.mu.topk_logp) if needs["with_topk"] else None
+    entropy = torch.zeros_like(rollout.mu.entropy) if needs["with_entropy"] else None
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
-        piece = policy_logprobs(model, rollout.select(rows).trimmed(), cfg.temperature, *wanted[1:], cfg.precision)
-        for whole, part_of_it in zip(pi_old, piece):
-            if whole is not None:
-                whole[rows, : part_of_it.shape[1]] = part_of_it
-    return dataclasses.replace(rollout, anchor=pi_old)
+        pi_old = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
+        T = pi_old.logp.shape[1]
+        logp[rows, :T] = pi_old.logp
+        if topk_logp is not None:
+            topk_logp[rows, :T] = pi_old.topk_logp
+        if entropy is not None:
+            entropy[rows, :T] = pi_old.entropy
+    pi_old, mu, mask = LogProbs(logp, topk_logp, entropy), rollout.mu, rollout.completion_mask
+    bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+    correction, flagged = rollout_correction(pi_old.logp, mu.logp, mask, mode=cfg.rollout_correction, **bounds)
+    real, stats = mask.bool(), TokenStats()  # the correction's weights, and how far pi_old is from mu
+    stats.add("rollout_correction/weight", correction[real])
+    stats.add("rollout_correction/flagged_frac", flagged[real].float())
+    stats.add("policy/abs_old_minus_mu", (pi_old.logp.exp() - mu.logp.exp()).abs()[real])
+    return pi_old, correction, stats.metrics()
 
 
 @torch.no_grad()
@@ -477,10 +510,52 @@ def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5,
     return weight * real, flagged & real
 
 
+# What the DPPO paper measures, per step, from what the objectives returned (outside the loss path). It argues that
+# PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask not: the clip objectives
+# are compared with DPPO's binary-TV mask at --delta_low/--delta_high.
+RARE_TOKEN_MU = 0.15
+
+
+@torch.no_grad()
+def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked, first: bool):
+    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
+    real, logp, logp_anchor = sampled.completion_mask.bool(), pi.logp, anchor.logp
+    blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
+    p, q = logp.exp(), sampled.mu.logp.exp()
+    rare = q < RARE_TOKEN_MU
+    stats.add("trust_region/blocked_frac", blocked[real].float())
+    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
+    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
+    stats.add("policy/rare_token_frac", rare[real].float())
+    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
+    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
+    stats.add("policy/mismatch_first_update" if first else "policy/drift_later_updates", (p - q).abs()[real])
+    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
+        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
+        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
+        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocked)[real].float())
+    if cfg.objective == "erc":
+        kept = entropy_ratio_kept(pi.entropy, anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
+        stats.add("erc/kept_frac", kept[real].float())
+    elif cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
+        clipped = cispo_weight(logp, logp_anchor, cfg.clip_low, cfg.clip_high) != log_ratio(logp, logp_anchor).exp()
+        stats.add("cispo/clipped_frac", clipped[real].float())
+    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, pi, anchor)[real])
+    elif cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta; blocked: weight <= 0
+        stats.add("drpo/weight", drpo_weight(logp, logp_anchor, A, cfg.drpo_delta)[real])
+        stats.add("drpo/nonpositive_weight_frac", blocked[real].float())
+    elif cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
+        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
+        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.cppo_delta, delta_high=cfg.cppo_delta)[1]
+        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocked)[real].float())
+
+
 # ============================================================================ objectives
 # Each objective is a per-token loss l_t to minimise, from fp32 logp = log pi(a_t|s_t) (with gradient), logp_anchor =
 # the anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1) and its own thresholds (no Config). It
-# returns (l, blocked), blocked = the tokens whose gradient the trust region removed.
+# returns (l, blocked), blocked = the tokens whose gradient the trust region removed. pi comes first everywhere: in
+# every loss and divergence, and in objective_loss and dppo_divergence, which take LogProbs.
 
 
 def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
@@ -507,14 +582,14 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
         budget = dict(w_min=cfg.cppo_w_min, delta_b_min=cfg.cppo_delta_b_min, is_cap=cfg.is_cap)
         return cppo_loss(logp, logp_anchor, A, mask, delta=cfg.cppo_delta, **budget)
     elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
-        D = dppo_divergence(cfg.objective, anchor, pi)
+        D = dppo_divergence(cfg.objective, pi, anchor)
         return dppo_loss(logp, logp_anchor, A, D, delta_low=cfg.delta_low, delta_high=cfg.delta_high, is_cap=cfg.is_cap)
     raise ValueError(f"unknown objective {cfg.objective!r}")
 
 
-def beyond_logp(objective: str) -> tuple[bool, bool]:
+def objective_needs(objective: str) -> dict:
     """What objective_loss reads of pi and the anchor besides log p(a_t): p at mu's top-K ids; the entropy."""
-    return objective in ("topk_tv", "topk_kl"), objective == "erc"
+    return dict(with_topk=objective in ("topk_tv", "topk_kl"), with_entropy=objective == "erc")
 
 
 LOG_EPS = math.log(1e-12)
@@ -624,47 +699,48 @@ def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_h
     return -advantages * log_r.exp().clamp(max=is_cap) * (~blocked) * logp, blocked
 
 
-def dppo_divergence(objective: str, anchor: LogProbs, pi: LogProbs) -> torch.Tensor:
+def dppo_divergence(objective: str, pi: LogProbs, anchor: LogProbs) -> torch.Tensor:
     """D for a DPPO objective: anchor(. | s_t) and pi(. | s_t) coarsened to {a_t, the rest} or {top K, the rest}."""
     if objective == "binary_tv":
-        return binary_tv(anchor.logp, pi.logp)
+        return binary_tv(logp=pi.logp, logp_anchor=anchor.logp)
     elif objective == "binary_kl":
-        return binary_kl(anchor.logp, pi.logp)
+        return binary_kl(logp=pi.logp, logp_anchor=anchor.logp)
     elif objective == "topk_tv":
-        return topk_tv(anchor.topk_logp, pi.topk_logp)
+        return topk_tv(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
     elif objective == "topk_kl":
-        return topk_kl(anchor.topk_logp, pi.topk_logp)
+        return topk_kl(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
     else:
         raise ValueError(f"{objective!r} is not a DPPO objective")
 
 
 # DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
 # distributions coarsened to {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them:
-# binary <= top-K <= full vocabulary (the tests hold them to that). No gradient.
+# binary <= top-K <= full vocabulary (the tests hold them to that). No gradient. The KLs are KL(anchor || pi); their
+# log-probs are keyword-only, so that a call cannot swap pi and the anchor.
 
 
 @torch.no_grad()
-def binary_tv(logp_anchor, logp):
+def binary_tv(*, logp, logp_anchor):
     """D = |p - q|, p = pi(a_t), q = anchor(a_t): TV over {a_t, the rest}, whose two cells differ by the same."""
-    return (logp_anchor.exp() - logp.exp()).abs()
+    return (logp.exp() - logp_anchor.exp()).abs()
 
 
 @torch.no_grad()
-def binary_kl(logp_anchor, logp):
-    """D = q log(q/p) + (1-q) log((1-q)/(1-p)): KL(anchor || pi) over {a_t, the rest}."""
-    return partition_kl(with_rest(logp_anchor.unsqueeze(-1)), with_rest(logp.unsqueeze(-1)))
+def binary_kl(*, logp, logp_anchor):
+    """D = q log(q/p) + (1-q) log((1-q)/(1-p)), p = pi(a_t), q = anchor(a_t): KL(anchor || pi) over {a_t, the rest}."""
+    return partition_kl(logp=with_rest(logp.unsqueeze(-1)), logp_anchor=with_rest(logp_anchor.unsqueeze(-1)))
 
 
 @torch.no_grad()
-def topk_tv(topk_logp_anchor, topk_logp):
+def topk_tv(*, topk_logp, topk_logp_anchor):
     """D = 1/2 (sum_{a in S} |q(a) - p(a)| + |q(other) - p(other)|), S = mu's top-K ids, the sampled token included."""
-    return partition_tv(with_rest(topk_logp_anchor), with_rest(topk_logp))
+    return partition_tv(logp=with_rest(topk_logp), logp_anchor=with_rest(topk_logp_anchor))
 
 
 @torch.no_grad()
-def topk_kl(topk_logp_anchor, topk_logp):
-    """D = sum_{a in S} q(a) log(q(a)/p(a)) + q(other) log(q(other)/p(other))."""
-    return partition_kl(with_rest(topk_logp_anchor), with_rest(topk_logp))
+def topk_kl(*, topk_logp, topk_logp_anchor):
+    """D = sum_{a in S} q(a) log(q(a)/p(a)) + q(other) log(q(other)/p(other)): KL(anchor || pi) over S and the rest."""
+    return partition_kl(logp=with_rest(topk_logp), logp_anchor=with_rest(topk_logp_anchor))
 
 
 def with_rest(logp: torch.Tensor) -> torch.Tensor:
@@ -673,16 +749,16 @@ def with_rest(logp: torch.Tensor) -> torch.Tensor:
     return torch.cat([logp, rest], dim=-1)
 
 
-def partition_tv(logp_q: torch.Tensor, logp_p: torch.Tensor) -> torch.Tensor:
-    """TV(q, p) = 1/2 sum_cells |q(cell) - p(cell)|, cells on the last axis."""
-    return 0.5 * (logp_q.exp() - logp_p.exp()).abs().sum(-1)
+def partition_tv(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
+    """TV(anchor, pi) = 1/2 sum_cells |anchor(cell) - pi(cell)|, cells on the last axis."""
+    return 0.5 * (logp_anchor.exp() - logp.exp()).abs().sum(-1)
 
 
-def partition_kl(logp_q: torch.Tensor, logp_p: torch.Tensor) -> torch.Tensor:
-    """KL(q || p) = sum_cells q(cell) log(q(cell) / p(cell)), cells on the last axis."""
-    logp_q = logp_q.clamp(min=LOG_EPS)
-    logp_p = logp_p.clamp(min=LOG_EPS)
-    return (logp_q.exp() * (logp_q - logp_p)).sum(-1)
+def partition_kl(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
+    """KL(anchor || pi) = sum_cells anchor(cell) log(anchor(cell) / pi(cell)), cells on the last axis."""
+    logp_anchor = logp_anchor.clamp(min=LOG_EPS)
+    logp = logp.clamp(min=LOG_EPS)
+    return (logp_anchor.exp() * (logp_anchor - logp)).sum(-1)
 
 
 # DPPO's sequels (the DPPO authors' group, 2026; their code: Tencent-Hunyuan/UniRL, unirl/algorithms/drpo.py, cppo.py):
@@ -705,7 +781,7 @@ def drpo_weight(logp, logp_anchor, advantages, delta=12.5):
     """DRPO's gradient weight (its Table 1), w = 1 - sign(A (r - 1)) * |pi - mu| / delta: below 1 for a token moving
     away from mu, negative past D = delta, above 1 for one moving back."""
     moving_away = torch.sign(advantages * log_ratio(logp, logp_anchor))
-    return 1 - moving_away * binary_tv(logp_anchor.clamp(min=LOG_EPS), logp) / delta
+    return 1 - moving_away * binary_tv(logp=logp, logp_anchor=logp_anchor.clamp(min=LOG_EPS)) / delta
 
 
 def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_b_min=0.02, is_cap=math.inf):
@@ -720,7 +796,7 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
     with torch.no_grad():
         T = real.sum(-1, keepdim=True)  # each completion's own length, its first EOS included
         w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
-        D = binary_tv(logp_anchor.float().clamp(min=LOG_EPS), logp.float()) * real
+        D = binary_tv(logp=logp.float(), logp_anchor=logp_anchor.float().clamp(min=LOG_EPS)) * real
         Z = w * D
         S = Z.cumsum(-1) - Z  # over the tokens before t, kept or blocked
         W = w.cumsum(-1) - w
@@ -738,20 +814,20 @@ LOGITS_CHUNK = 2**26  # pi's output layer computes at most this many positions x
 LOGITS_KEPT = 2**30  # a pass with more logits than this recomputes each chunk in backward instead of keeping it (4 GiB)
 
 
-def policy_logprobs(model, batch, temperature, with_topk=False, with_entropy=False, precision="fp32") -> LogProbs:
-    """One teacher-forced pass over a batch (a Rollout's fields): log pi(a_t | s_t) (B, T) in fp32 with gradient;
-    without, log pi at mu's top-K ids (B, T, K) and the entropy, if asked. lm_head runs a chunk at a time."""
-    B, T = batch.completion_ids.shape
+def policy_logprobs(model, batch, temperature, precision="fp32", with_topk=False, with_entropy=False) -> LogProbs:
+    """One teacher-forced pass over a batch (a Rollout's fields): log pi(a_t | s_t) (B, T), fp32, with gradient. In
+    plain torch, with x = the prompts and completions side by side and T the completions' width:
+
+        logits = model(x).logits[:, -T - 1 : -1].float() / temperature  # the positions that predict a_1 .. a_T
+        logp = logits.log_softmax(-1).gather(-1, batch.completion_ids[..., None]).squeeze(-1)
+
+    This computes the same without the (B, T, V) logits: the output layer runs a chunk of positions at a time
+    (logprobs_in_chunks). Without gradient, if asked: log pi at mu's top-K ids (B, T, K) and the entropy (B, T)."""
+    T = batch.completion_ids.shape[1]
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
-    no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the output layer runs below, in chunks
-    lm_head = model.get_output_embeddings()
-    n = max(1, LOGITS_CHUNK // lm_head.weight.shape[0])  # positions per chunk
-    recompute = torch.is_grad_enabled() and B * T * lm_head.weight.shape[0] > LOGITS_KEPT
-    targets = batch.completion_ids.reshape(B * T).split(n)
-    topk_ids = batch.topk_ids.reshape(B * T, -1).split(n) if with_topk else [None] * len(targets)
-    chunks = []
+    no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the output layer runs in chunks instead
     with autocast(model, precision):
         hidden = model(
             input_ids=input_ids,
@@ -761,16 +837,29 @@ def policy_logprobs(model, batch, temperature, with_topk=False, with_entropy=Fal
             logits_to_keep=no_logits,
             output_hidden_states=True,
         ).hidden_states[-1]  # after the final norm
-        hidden = hidden[:, -T - 1 : -1].reshape(B * T, -1).split(n)  # the positions that predict a_1 .. a_T
-        for args in zip(hidden, targets, topk_ids):
-            if recompute:
-                chunks.append(
-                    checkpoint(chunk_logprobs, lm_head, *args, temperature, with_entropy, use_reentrant=False)
-                )
-            else:
-                chunks.append(chunk_logprobs(lm_head, *args, temperature, with_entropy))
-    columns = (None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks))
-    return LogProbs(*(None if x is None else x.unflatten(0, (B, T)) for x in columns))
+        topk_ids = batch.topk_ids if with_topk else None
+        lm_head = model.get_output_embeddings()
+        return logprobs_in_chunks(
+            lm_head, hidden[:, -T - 1 : -1], batch.completion_ids, topk_ids, temperature, with_entropy
+        )
+
+
+def logprobs_in_chunks(lm_head, hidden, targets, topk_ids, temperature, with_entropy) -> LogProbs:
+    """LogProbs at (B, T) targets from the hidden states that predict them, the output layer LOGITS_CHUNK logits at a
+    time; when a pass with gradient holds more than LOGITS_KEPT logits, each chunk's are recomputed in backward."""
+    B, T = targets.shape
+    n = max(1, LOGITS_CHUNK // lm_head.weight.shape[0])  # positions per chunk
+    recompute = torch.is_grad_enabled() and B * T * lm_head.weight.shape[0] > LOGITS_KEPT
+    hidden, targets = hidden.reshape(B * T, -1).split(n), targets.reshape(B * T).split(n)
+    topk_ids = topk_ids.reshape(B * T, -1).split(n) if topk_ids is not None else [None] * len(targets)
+    in_chunk = functools.partial(checkpoint, chunk_logprobs, use_reentrant=False) if recompute else chunk_logprobs
+    chunks = [in_chunk(lm_head, *args, temperature, with_entropy) for args in zip(hidden, targets, topk_ids)]
+    logp, topk_logp, entropy = ([chunk[i] for chunk in chunks] for i in range(3))
+    return LogProbs(
+        logp=torch.cat(logp).view(B, T),
+        topk_logp=torch.cat(topk_logp).unflatten(0, (B, T)) if topk_ids[0] is not None else None,
+        entropy=torch.cat(entropy).view(B, T) if with_entropy else None,
+    )
 
 
 def chunk_logprobs(lm_head, hidden, targets, topk_ids, temperature, with_entropy):
@@ -806,9 +895,8 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 
 def evaluate(model, tokenizer, problems, cfg: Config) -> dict:
     """Greedy held-out accuracy; with --eval_samples k also avg@k, the mean accuracy of k samples a problem at the
-    sampling temperature (the DPPO and CPPO papers' avg@16), and pass@k. Each process takes every world-th problem."""
-    rank, world = rank_and_world()
-    mine, k = problems[rank::world], cfg.eval_samples
+    sampling temperature (the DPPO and CPPO papers' avg@16), and pass@k."""
+    mine, k = this_process_share(problems, interleaved=True), cfg.eval_samples
     totals = torch.zeros(3, dtype=torch.float64, device=model.device)  # greedy, avg@k, pass@k: added up
     own_random_stream = torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device])
     with full_weights(model), autocast(model, cfg.precision), own_random_stream:  # training samples as without it
@@ -839,7 +927,43 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
-# ============================================================================ main
+# ============================================================================ the training loop
+
+
+def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out, run: "Run") -> float:
+    """RL steps, each logged; greedy held-out accuracy before the first step, every --eval_every steps and after the
+    last; a checkpoint every --save_every steps or on Ctrl-C; the model saved at the end. Returns the last accuracy."""
+    if run.initial_accuracy is None:
+        run.initial_accuracy = run.log(0, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
+    accuracy = run.initial_accuracy
+    for step in run.steps:
+        try:
+            metrics = rl_step(step, model, sampler, tokenizer, optimizer, problems, run.reward_history, cfg)
+        except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
+            save_model(model, tokenizer, run.output_dir)
+            leave_after_rank_0(
+                f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that "
+                f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1}"
+            )
+        run.log(step, metrics)
+        if step % cfg.eval_every == 0 or step == run.last_step:
+            accuracy = run.log(step, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
+        run.show_progress(metrics, accuracy)
+        stop = run.stop_requested()  # Ctrl-C on any process: this step is finished, saved, and the run stops
+        if stop or (cfg.save_every and step % cfg.save_every == 0):
+            save_checkpoint(run.output_dir, model, tokenizer, optimizer, step, run.reward_history, run.initial_accuracy)
+        if stop:
+            leave_after_rank_0(
+                f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {run.output_dir}"
+            )
+    save_model(model, tokenizer, run.output_dir)
+    return accuracy
+
+
+# ==================================================================================================== plumbing
+
+
+# -------- set-up: flags, device, data, model, resume, then the training loop with its log, tracker and Ctrl-C
 
 
 def main(argv=None) -> dict:
@@ -852,68 +976,81 @@ def main(argv=None) -> dict:
     resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
-    cfg.max_prompt_tokens = prompt_length_limit(cfg, tokenizer, train_problems + held_out)
+    cfg = dataclasses.replace(cfg, max_prompt_tokens=prompt_length_limit(cfg, tokenizer, train_problems + held_out))
     first_step, initial_accuracy, reward_history = 1, None, {}
     if resume_from:
         first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer)
-    steps = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
-    metrics_path = output_dir / "metrics.jsonl" if rank == 0 else os.devnull  # rank 0 alone writes
-    with (
-        open(metrics_path, "a" if resume_from else "w") as metrics_file,
-        contextlib.closing(Tracker(cfg, output_dir)) as tracker,
-        stop_on_ctrl_c() as stop_requested,
-    ):
-
-        def log(record: dict):  # a line at a time, flushed: an interrupted run keeps every finished step
-            record = {**record, "time/elapsed_s": time.time() - started}
-            print(json.dumps(record), file=metrics_file, flush=True)
-            tracker.log(record)
-
-        def evaluation(step: int) -> float:
-            results = evaluate(model, tokenizer, held_out, cfg)
-            log({"step": step, **results})
-            return results["eval/accuracy"]
-
-        if initial_accuracy is None:
-            initial_accuracy = evaluation(0)
-        accuracy = initial_accuracy
-        progress = tqdm(range(first_step, steps + 1), desc=cfg.objective, dynamic_ncols=True, disable=rank != 0)
-        for step in progress:
-            try:
-                metrics = rl_step(step, model, sampler, tokenizer, optimizer, train_problems, reward_history, cfg)
-            except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
-                save_model(model, tokenizer, output_dir)
-                leave_after_rank_0(
-                    f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that optimizer "
-                    f"step is in {output_dir}, metrics.jsonl up to step {step - 1}"
-                )
-            log(metrics)
-            if step % cfg.eval_every == 0 or step == steps:
-                accuracy = evaluation(step)
-            progress.set_postfix(  # as a person reads them: tqdm would print 10234.5 tokens/s as 1.02e+4
-                reward=f"{metrics['reward/mean']:.3f}",
-                acc=f"{accuracy:.1%}",
-                blocked=f"{metrics['trust_region/blocked_frac']:.2%}",
-                gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
-            )
-            stop = all_reduced(torch.tensor(len(stop_requested), device=device), dist.ReduceOp.MAX).item() > 0
-            if (cfg.save_every and step % cfg.save_every == 0) or stop:
-                save_checkpoint(output_dir, model, tokenizer, optimizer, step, reward_history, initial_accuracy)
-            if stop:
-                leave_after_rank_0(
-                    f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {output_dir}"
-                )
-    save_model(model, tokenizer, output_dir)
+    last_step = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
+    with Run(cfg, output_dir, first_step, last_step, reward_history, initial_accuracy, device, started) as run:
+        accuracy = train(cfg, model, sampler, tokenizer, optimizer, train_problems, held_out, run)
     if rank == 0:
         print(
-            f"{cfg.objective}: held-out greedy accuracy {initial_accuracy:.1%} -> {accuracy:.1%} "
-            f"({100 * (accuracy - initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
+            f"{cfg.objective}: held-out greedy accuracy {run.initial_accuracy:.1%} -> {accuracy:.1%} "
+            f"({100 * (accuracy - run.initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
             f"metrics and model in {output_dir}"
         )
-    return {"initial_accuracy": initial_accuracy, "final_accuracy": accuracy}
+    return {"initial_accuracy": run.initial_accuracy, "final_accuracy": accuracy}
 
 
-# ==================================================================================================== plumbing
+class Run(contextlib.ExitStack):
+    """The training loop's bookkeeping: its steps on a progress bar, SAS's reward history, the first accuracy (both from
+    the checkpoint when resumed); each record to metrics.jsonl and to --report_to's tracker, with the flags as its
+    config, from rank 0 alone (a tracker's package is imported only when chosen: check_config found it); Ctrl-C."""
+
+    def __init__(self, cfg, output_dir, first_step, last_step, reward_history, initial_accuracy, device, started):
+        super().__init__()
+        rank_0 = rank_and_world()[0] == 0
+        self.steps = tqdm(range(first_step, last_step + 1), desc=cfg.objective, dynamic_ncols=True, disable=not rank_0)
+        self.last_step = last_step
+        self.reward_history = reward_history
+        self.initial_accuracy = initial_accuracy
+        self.output_dir = output_dir
+        self.device = device
+        self.started = started
+        metrics_path = output_dir / "metrics.jsonl" if rank_0 else os.devnull
+        self.metrics_file = self.enter_context(open(metrics_path, "a" if first_step > 1 else "w"))
+        self.tracker = cfg.report_to if rank_0 else "none"
+        if self.tracker == "tensorboard":  # it keeps no run config: the flags go to its text tab
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = self.enter_context(SummaryWriter(output_dir / "tensorboard"))
+            self.writer.add_text("config", json.dumps(dataclasses.asdict(cfg)))
+        elif self.tracker in ("wandb", "trackio"):  # trackio takes wandb's calls
+            tracker = importlib.import_module(self.tracker)
+            self.writer = tracker.init(project="dppo", name=output_dir.name, config=dataclasses.asdict(cfg))
+            self.callback(self.writer.finish)
+        self.ctrl_c = []  # not empty once Ctrl-C was pressed
+        self.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, self.on_ctrl_c))
+
+    def on_ctrl_c(self, signum, frame):
+        if self.ctrl_c:
+            raise KeyboardInterrupt
+        self.ctrl_c.append(True)
+        if rank_and_world()[0] == 0:
+            print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
+
+    def log(self, step: int, values: dict) -> dict:
+        """A line at a time, flushed: a stopped run keeps every finished step."""
+        scalars = {**values, "time/elapsed_s": time.time() - self.started}
+        print(json.dumps({"step": step, **scalars}), file=self.metrics_file, flush=True)
+        if self.tracker == "tensorboard":
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+        elif self.tracker != "none":
+            self.writer.log(scalars, step=step)
+        return values
+
+    def show_progress(self, metrics: dict, accuracy: float):  # as a person reads them: tqdm would print 1.02e+4
+        self.steps.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}",
+            acc=f"{accuracy:.1%}",
+            blocked=f"{metrics['trust_region/blocked_frac']:.2%}",
+            gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
+        )
+
+    def stop_requested(self) -> bool:  # a collective: every process stops after the same step
+        return all_reduced(torch.tensor(len(self.ctrl_c), device=self.device), dist.ReduceOp.MAX).item() > 0
+
 
 # -------- input checks: bad input ends in one line on stderr and exit status 2 (see fail), before anything slow
 
@@ -935,21 +1072,14 @@ def parse_config(argv=None) -> Config:
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
     objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
     cfg = Config(**{**demo_defaults, **objective_defaults, **given})
-    cfg.output_dir = cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}"
+    cfg = dataclasses.replace(cfg, output_dir=cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}")
     check_config(cfg)
     return cfg
 
 
 def check_config(cfg: Config):
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
-        at_least_0 = name in (
-            "epochs",
-            "weight_decay",
-            "save_every",
-            "cppo_delta_b_min",
-            "eval_samples",
-            "max_prompt_tokens",
-        )
+        at_least_0 = name in "epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens".split()
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
@@ -1088,33 +1218,6 @@ def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
     return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
 
 
-def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
-    epoch, position = divmod(step - 1, n_problems // batch_size)
-    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
-    return order[position * batch_size : (position + 1) * batch_size]
-
-
-# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def format_prompt(tokenizer, question: str) -> str:
-    if tokenizer.chat_template:
-        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
-
-
-def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
-    """Left-padded (every completion starts in the same column) to `length`, or to the longest prompt if 0."""
-    padding = dict(padding="max_length", max_length=length) if length else dict(padding=True)
-    special = not tokenizer.chat_template  # a chat template already holds the special tokens
-    return tokenizer(prompts, return_tensors="pt", padding_side="left", add_special_tokens=special, **padding).to(
-        device
-    )
-
-
 def prompt_length_limit(cfg: Config, tokenizer, problems: list[dict]) -> int:
     """--max_prompt_tokens, with no prompt longer; under the static cache, if 0, the longest rounded up to 64."""
     if not (cfg.max_prompt_tokens or cfg.generation_cache == "static"):
@@ -1124,12 +1227,6 @@ def prompt_length_limit(cfg: Config, tokenizer, problems: list[dict]) -> int:
     if cfg.max_prompt_tokens and longest > cfg.max_prompt_tokens:
         fail(f"--max_prompt_tokens {cfg.max_prompt_tokens}: the data set has a prompt of {longest} tokens")
     return cfg.max_prompt_tokens or -(-longest // 64) * 64
-
-
-def decode(tokenizer, completion_ids, mask) -> list[str]:
-    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
-    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
-    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 # -------- model and sampler
@@ -1220,6 +1317,15 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def this_process_share(items, interleaved=False):
+    """This process's 1/world of items: contiguous (a step's prompts, their advantages), or every world-th from its
+    rank on (evaluation's problems); all of them in one process."""
+    rank, world = rank_and_world()
+    if interleaved:
+        return items[rank::world]
+    return items[rank * len(items) // world : (rank + 1) * len(items) // world]
+
+
 def set_up_device(name: str) -> torch.device:
     device = torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if "LOCAL_RANK" in os.environ:
@@ -1306,24 +1412,16 @@ def all_gathered_objects(item) -> list:
     return items
 
 
-# -------- generation, for rollouts and evaluation; the static cache
+# -------- generation: the static cache
 
 
-def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
-    """(prompt inputs, completion ids, completion mask) of model.generate. --generation_cache static pads every prompt
-    to --max_prompt_tokens and allocates the KV cache once, so that every call has the same shapes and generate compiles
-    its decoding step once; on CUDA only, and not for an FSDP2 policy (its gathered weights move between rollouts)."""
-    static = cfg.generation_cache == "static"
-    inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
-    prompt_length = inputs.input_ids.shape[1]
-    if static:  # its values keep their own dtype, see StaticLayerOwnDtypes
-        cache = StaticCache(model.config, max_cache_len=prompt_length + cfg.max_new_tokens)
-        cache.layers = [StaticLayerOwnDtypes(x.max_cache_len) if type(x) is StaticLayer else x for x in cache.layers]
-        decoding["past_key_values"] = cache
-    no_compile = isinstance(model, FSDPModule)
-    output_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, disable_compile=no_compile, **decoding)
-    completion_ids = output_ids[:, prompt_length:]
-    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
+def static_cache(model, length: int) -> dict:
+    """--generation_cache static: generate's settings for a KV cache allocated once, `length` long, so that every call
+    has the same shapes (generate pads prompts to --max_prompt_tokens) and generate compiles its decoding step once; on
+    CUDA only, and not for an FSDP2 policy (its gathered weights move between rollouts)."""
+    cache = StaticCache(model.config, max_cache_len=length)  # its values keep their own dtype, see StaticLayerOwnDtypes
+    cache.layers = [StaticLayerOwnDtypes(x.max_cache_len) if type(x) is StaticLayer else x for x in cache.layers]
+    return dict(past_key_values=cache, disable_compile=isinstance(model, FSDPModule))
 
 
 class StaticLayerOwnDtypes(StaticLayer):
@@ -1337,7 +1435,7 @@ class StaticLayerOwnDtypes(StaticLayer):
             torch._dynamo.mark_static_address(self.values)  # as StaticLayer's own: a CUDA graph may hold it
 
 
-# -------- checkpoints and stopping
+# -------- checkpoints
 
 
 def save_model(model, tokenizer, directory: Path):
@@ -1349,9 +1447,8 @@ def save_model(model, tokenizer, directory: Path):
 
 def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
     partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
-    weights, optimizer_state = get_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights, optimizer_state = get_state_dict(model, optimizer, options=whole)
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     random_states = all_gathered_objects({"torch": torch.get_rng_state(), "cuda": cuda_states})  # every process's
     if rank_and_world()[0] == 0:
@@ -1389,61 +1486,7 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
     return state["step"] + 1, state["initial_accuracy"], state["reward_history"]
 
 
-@contextlib.contextmanager
-def stop_on_ctrl_c():
-    requested = []
-
-    def stop_after_this_step(signum, frame):
-        if requested:
-            raise KeyboardInterrupt
-        requested.append(True)
-        if rank_and_world()[0] == 0:
-            print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to quit now)", file=sys.stderr)
-
-    previous_handler = signal.signal(signal.SIGINT, stop_after_this_step)
-    try:
-        yield requested
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
-
-
-# -------- the tracker
-
-
-class Tracker:
-    """--report_to: every metrics.jsonl record also goes to wandb, TensorBoard or trackio (from rank 0 alone), with the
-    run's flags as its config; each package is imported only when chosen (check_config has found it)."""
-
-    def __init__(self, cfg: Config, output_dir: Path):
-        self.kind = cfg.report_to if rank_and_world()[0] == 0 else "none"
-        if self.kind == "tensorboard":  # it keeps no run config: the flags go to its text tab
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.run = SummaryWriter(output_dir / "tensorboard")
-            self.run.add_text("config", json.dumps(dataclasses.asdict(cfg)))
-        elif self.kind in ("wandb", "trackio"):  # trackio takes wandb's calls
-            tracker = importlib.import_module(self.kind)
-            self.run = tracker.init(project="dppo", name=output_dir.name, config=dataclasses.asdict(cfg))
-
-    def log(self, record: dict):
-        values = {name: value for name, value in record.items() if name != "step"}
-        if self.kind == "tensorboard":
-            for name, value in values.items():
-                self.run.add_scalar(name, value, record["step"])
-        elif self.kind != "none":
-            self.run.log(values, step=record["step"])
-
-    def close(self):
-        if self.kind == "tensorboard":
-            self.run.close()
-        elif self.kind != "none":
-            self.run.finish()
-
-
-# -------- diagnostics: what a step did, for metrics.jsonl, from what the objectives returned, outside the loss path.
-# The DPPO paper argues that PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask
-# not: the clip objectives are compared with DPPO's binary-TV mask at --delta_low/--delta_high.
-RARE_TOKEN_MU = 0.15
+# -------- diagnostics: what a step did, for metrics.jsonl, outside the loss path
 
 
 class TokenStats(dict):
@@ -1467,49 +1510,6 @@ class TokenStats(dict):
             else:
                 reported |= {f"{name}_mean": mean, f"{name}_max": maximum}
         return reported
-
-
-@torch.no_grad()
-def add_token_stats(stats: TokenStats, cfg: Config, mb: Rollout, pi: LogProbs, blocked, first_update: bool):
-    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
-    real, A, logp, logp_anchor = mb.completion_mask.bool(), mb.advantages, pi.logp, mb.anchor.logp
-    blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
-    p, q = logp.exp(), mb.mu.logp.exp()
-    rare = q < RARE_TOKEN_MU
-    stats.add("trust_region/blocked_frac", blocked[real].float())
-    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
-    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
-    stats.add("policy/rare_token_frac", rare[real].float())
-    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
-    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
-    stats.add("policy/mismatch_first_update" if first_update else "policy/drift_later_updates", (p - q).abs()[real])
-    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        tv = binary_tv(logp_anchor, logp)
-        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
-        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocked)[real].float())
-    if cfg.objective == "erc":
-        kept = entropy_ratio_kept(pi.entropy, mb.anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
-        stats.add("erc/kept_frac", kept[real].float())
-    elif cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
-        clipped = cispo_weight(logp, logp_anchor, cfg.clip_low, cfg.clip_high) != log_ratio(logp, logp_anchor).exp()
-        stats.add("cispo/clipped_frac", clipped[real].float())
-    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
-        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, mb.anchor, pi)[real])
-    elif cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta; blocked: weight <= 0
-        stats.add("drpo/weight", drpo_weight(logp, logp_anchor, A, cfg.drpo_delta)[real])
-        stats.add("drpo/nonpositive_weight_frac", blocked[real].float())
-    elif cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
-        tv = binary_tv(logp_anchor, logp)
-        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.cppo_delta, delta_high=cfg.cppo_delta)[1]
-        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocked)[real].float())
-
-
-def add_correction_stats(stats: TokenStats, rollout: Rollout, correction, flagged):
-    """--recompute_old: the rollout correction's weights, and how far pi_old is from mu."""
-    real = rollout.completion_mask.bool()
-    stats.add("rollout_correction/weight", correction[real])
-    stats.add("rollout_correction/flagged_frac", flagged[real].float())
-    stats.add("policy/abs_old_minus_mu", (rollout.anchor.logp.exp() - rollout.mu.logp.exp()).abs()[real])
 
 
 def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
@@ -1541,12 +1541,21 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
     }
 
 
-@contextlib.contextmanager
-def measured(phase: str, clock: dict, device: torch.device):
-    reset_peak_memory(device)
-    started = time.time()
-    yield
-    clock[phase] = (time.time() - started, peak_memory_mb(device))
+class PhaseClock(dict):
+    """phase -> (seconds, peak memory in MiB) of each phase of a step, a phase ending at its lap."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.restart()
+
+    def restart(self):
+        reset_peak_memory(self.device)
+        self.started = time.time()
+
+    def lap(self, phase: str):
+        self[phase] = (time.time() - self.started, peak_memory_mb(self.device))
+        self.restart()
 
 
 def reset_peak_memory(device: torch.device):
@@ -1654,18 +1663,17 @@ def build_tiny_model(cache_dir: str) -> str:
 def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=2e-3, check_every=10, max_steps=2000):
     """Supervised fine-tuning on gold solutions until greedy dev accuracy reaches target_accuracy."""
     optimizer, rng = torch.optim.AdamW(model.parameters(), lr=lr), random.Random(0)
+    dev_cfg = Config(max_new_tokens=16, eval_batch_size=len(dev))
     for step in range(1, max_steps + 1):
         batch = rng.sample(problems, batch_size)
         prompts = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], "cpu")
         answers = [" " + p["answer"] + tokenizer.eos_token for p in batch]
-        completions = tokenizer(
-            answers, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
-        )
-        mask = completions.attention_mask
+        targets = tokenizer(answers, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        mask = targets.attention_mask
         pairs = SimpleNamespace(
             prompt_ids=prompts.input_ids,
             prompt_mask=prompts.attention_mask,
-            completion_ids=completions.input_ids,
+            completion_ids=targets.input_ids,
             completion_mask=mask,
         )
         logp = policy_logprobs(model, pairs, 1.0).logp
@@ -1674,9 +1682,7 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
         loss.backward()
         optimizer.step()
         if step % check_every == 0:
-            accuracy = evaluate(model, tokenizer, dev, Config(max_new_tokens=16, eval_batch_size=len(dev)))[
-                "eval/accuracy"
-            ]
+            accuracy = evaluate(model, tokenizer, dev, dev_cfg)["eval/accuracy"]
             print(f"  warm-up step {step}: loss {loss.item():.3f}, dev accuracy {accuracy:.1%}")
             if accuracy >= target_accuracy:
                 break

@@ -2,6 +2,7 @@
 
     python figures/what_dppo_changes.py                     # the three figures, offline, on the demo model
     python figures/what_dppo_changes.py --only numerics --model DIR --dataset D   # Figure 1 on your checkpoint
+    python figures/what_dppo_changes.py --only blocked --model DIR -- --dataset D  # the tokens each region blocks
 
 1. trust_regions.png: over a grid of (mu(a_t), pi(a_t)), where each objective lets a token's gradient through,
    blocks it or re-weights it, from objective_loss and autograd (the DPPO paper's Figure 2, left); beside them, the
@@ -10,12 +11,17 @@
    policy and pi computed by the fp32 policy at the same weights: the whole difference is numerics (its Figure 1).
 3. rare_right_answer.png: a one-step bandit whose rewarded token starts rare, trained through objective_loss and
    token_weights with AdamW: steps until it reaches probability 0.5; how far a common wrong token falls in one step.
+4. blocked_<model>.png (--only blocked, flags for dppo.py after --): a few RL steps of `python dppo.py` with a bf16
+   sampler, every trained token recorded where update_policy hands it to add_token_stats, and judged by objective_loss
+   under each of ppo_clip, dcpo, binary_tv, topk_tv and cppo at the same (pi, mu, A): which tokens each blocks, by mu's
+   decade, the advantage's sign and side, and what they are; the completions with the most blocked tokens, drawn.
 
 No formula is typed here: every loss, mask, divergence, advantage and aggregation is dppo.py's, so each figure is also
 a check of them. Without matplotlib the tables are printed and nothing is drawn.
 """
 
 import argparse
+import dataclasses
 import importlib
 import math
 import os
@@ -23,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -160,7 +167,7 @@ def sampled_tokens(model: str, dataset: str, dtypes, prompts: int, samples: int,
         logp = torch.zeros_like(rollout.mu.logp)
         with torch.no_grad():
             for rows in torch.arange(len(texts)).split(16):
-                batch = rollout.select(rows).trimmed()
+                batch = rollout.select(rows)
                 logp[rows, : batch.completion_ids.shape[1]] = dppo.policy_logprobs(policy, batch, cfg.temperature).logp
         real = rollout.completion_mask.bool()
         tokens[dtype] = (rollout.mu.logp[real].double().exp(), logp[real].double().exp())
@@ -308,12 +315,199 @@ def draw_bandit(plt, result: dict, path: Path):
     figure.savefig(path, dpi=90)
 
 
+# ---------------------------------------------------------------------------- 4. the tokens each trust region blocks
+
+BLOCKERS = ["ppo_clip", "dcpo", "binary_tv", "topk_tv", "cppo"]
+# The run recorded: DPPO's top-K TV (so that pi's top K is computed), a bf16 sampler; typed flags come after these.
+BLOCKED_RUN = [
+    "--objective",
+    "topk_tv",
+    "--sampler_dtype",
+    "bfloat16",
+    "--steps",
+    "20",
+    "--eval_n",
+    "20",
+]  # each judged at the same (pi, mu, A) by objective_loss
+CLASSES = ["end of sequence", "final answer", "digits and operators", "words", "other"]
+ARITHMETIC = set("0123456789+-*/=×÷.,$% ")
+
+
+def token_classes(tokenizer, ids: list[int], eos_ids) -> list[str]:
+    """Each completion token's class (CLASSES, first match): an EOS id; a token overlapping the final answer's last
+    occurrence in the text (rewards.extract_answer's); only digits, operators and spaces; a token with a letter."""
+    offsets = [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids) + 1)]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    answer = dppo.extract_answer(text)
+    start = text.rfind(answer) if answer else -1
+    span = range(start, start + len(answer)) if start >= 0 else range(0)
+    classes = []
+    for i, token in enumerate(ids):
+        piece = text[offsets[i] : offsets[i + 1]]
+        if token in eos_ids:
+            classes.append("end of sequence")
+        elif span and offsets[i] < span.stop and offsets[i + 1] > span.start:
+            classes.append("final answer")
+        elif piece.strip() and set(piece) <= ARITHMETIC:
+            classes.append("digits and operators")
+        elif any(c.isalpha() for c in piece):
+            classes.append("words")
+        else:
+            classes.append("other")
+    return classes
+
+
+def blocked_tokens(flags: list[str]) -> tuple[list[dict], object, set]:
+    """Every token trained in a few RL steps of `python dppo.py FLAGS`, recorded where update_policy hands it to
+    add_token_stats: its update, position, id, text class, mu(a_t), pi(a_t) and A, and which of BLOCKERS block it
+    at that (pi, mu, A), each by objective_loss on the same tensors (the run trains under the objective its flags
+    name; pi's top-K is computed when that objective is topk_tv or topk_kl)."""
+    records, update = [], [0]
+    add_token_stats, token_counts = dppo.add_token_stats, dppo.token_counts
+
+    def counting_mini_batches(mask):  # update_policy calls it once a mini-batch
+        update[0] += 1
+        return token_counts(mask)
+
+    def recording(stats, cfg, sampled, pi, anchor, A, blocked, first):
+        add_token_stats(stats, cfg, sampled, pi, anchor, A, blocked, first)
+        pi = dppo.LogProbs(*(None if x is None else x.detach() for x in pi))
+        judged = {}
+        for objective in BLOCKERS:
+            if objective in ("topk_tv", "topk_kl") and pi.topk_logp is None:
+                continue
+            settings = dataclasses.replace(cfg, objective=objective, **dppo.OBJECTIVE_DEFAULTS.get(objective, {}))
+            judged[objective] = dppo.objective_loss(settings, pi, anchor, A, sampled.completion_mask)[1] & (A != 0)
+        for row in range(len(A)):
+            length = int(sampled.completion_mask[row].sum())
+            ids = sampled.completion_ids[row, :length].tolist()
+            records.append(
+                dict(
+                    update=update[0],
+                    ids=ids,
+                    advantage=float(A[row]),
+                    mu=sampled.mu.logp[row, :length].exp().tolist(),
+                    pi=pi.logp[row, :length].exp().tolist(),
+                    blocked={name: mask[row, :length].tolist() for name, mask in judged.items()},
+                )
+            )
+
+    dppo.add_token_stats, dppo.token_counts = recording, counting_mini_batches
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            dppo.main(flags + ["--output_dir", out, "--eval_every", "1000000"])
+            tokenizer = dppo.AutoTokenizer.from_pretrained(out)
+            eos = dppo.GenerationConfig.from_pretrained(out).eos_token_id
+    finally:
+        dppo.add_token_stats, dppo.token_counts = add_token_stats, token_counts
+    return records, tokenizer, {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+
+
+def token_table(records: list[dict], tokenizer, eos_ids) -> list[dict]:
+    """One row per trained token: mu, pi, A, side (pi above or below mu), class, text and what blocks it."""
+    tokens = []
+    for record in records:
+        classes = token_classes(tokenizer, record["ids"], eos_ids)
+        for t, token in enumerate(record["ids"]):
+            mu, pi = record["mu"][t], record["pi"][t]
+            tokens.append(
+                dict(
+                    mu=mu,
+                    pi=pi,
+                    advantage=record["advantage"],
+                    rising=pi > mu,
+                    position=t,
+                    cls=classes[t],
+                    text=tokenizer.decode([token]),
+                    blocked={name: mask[t] for name, mask in record["blocked"].items()},
+                )
+            )
+    return tokens
+
+
+def share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.2f}% ({part})" if whole else "–"
+
+
+def blocked_tables(tokens: list[dict]) -> list[str]:
+    """The README's tables: blocked share per objective by mu's decade and by the advantage's sign and side; the tokens
+    the clip blocks that binary TV keeps and the reverse; what the blocked tokens are, beside all trained tokens."""
+    names = [name for name in BLOCKERS if name in tokens[0]["blocked"]]
+    lines = ["| trained tokens (A ≠ 0) | count | " + " | ".join(f"`{name}` blocks" for name in names) + " |"]
+    lines.append("|---" * (len(names) + 2) + "|")
+    trained = [x for x in tokens if x["advantage"] != 0]  # a token with A = 0 has no gradient to lose
+    groups = {f"μ in [{low:g}, {high:.3g})": [x for x in trained if low <= x["mu"] < high] for low, high in DECADES}
+    for sign, positive in (("A > 0", True), ("A < 0", False)):
+        for side, rising in (("rising", True), ("falling", False)):
+            groups[f"{sign}, π {side}"] = [
+                x for x in trained if (x["advantage"] > 0) == positive and x["rising"] == rising
+            ]
+    groups["all"] = trained
+    for label, group in groups.items():
+        cells = [share(sum(x["blocked"][name] for x in group), len(group)) for name in names]
+        lines.append(f"| {label} | {len(group):,} | " + " | ".join(cells) + " |")
+    for first, second in (("ppo_clip", "binary_tv"), ("binary_tv", "ppo_clip")):
+        only = [x["text"] for x in tokens if x["blocked"][first] and not x["blocked"][second]]
+        common = Counter(only).most_common(12)
+        listed = ", ".join(f"`{text!r}` {count}" for text, count in common) or "none"
+        lines += ["", f"Blocked by `{first}`, kept by `{second}`: {len(only)} tokens; the most frequent: {listed}"]
+    lines += ["", "| what the token is | all trained tokens | " + " | ".join(f"blocked by `{n}`" for n in names) + " |"]
+    lines.append("|---" * (len(names) + 2) + "|")
+    for label in [*CLASSES, "a branching point: μ(a_t) < 0.5"]:
+        cells = []
+        for group in [trained] + [[x for x in trained if x["blocked"][name]] for name in names]:
+            found = sum(x["mu"] < 0.5 if label.startswith("a branching") else x["cls"] == label for x in group)
+            cells.append(share(found, len(group)))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+COLOURS = {
+    "ppo_clip": "tab:red",
+    "dcpo": "tab:orange",
+    "binary_tv": "tab:blue",
+    "topk_tv": "tab:green",
+    "cppo": "tab:purple",
+}
+
+
+def draw_blocked(plt, records: list[dict], tokenizer, path: Path, shown=3):
+    """The completions with the most blocked tokens, a token at a time; under each token a bar for each objective that
+    blocks it, one colour per objective."""
+    chosen = sorted(records, key=lambda r: -sum(sum(mask) for mask in r["blocked"].values()))[:shown]
+    names = list(records[0]["blocked"])
+    figure, axes = plt.subplots(len(chosen), 1, figsize=(12, 1.8 * len(chosen)), squeeze=False)
+    renderer = figure.canvas.get_renderer()
+    for ax, record in zip(axes[:, 0], chosen):
+        ax.set_axis_off()
+        ax.set_title(f"a completion with A = {record['advantage']:+.2f}", loc="left", fontsize=9)
+        x, y = 0.0, 0.8
+        for t, token in enumerate(record["ids"]):
+            label = ax.text(x, y, tokenizer.decode([token]).replace("\n", "⏎"), fontsize=9, family="monospace")
+            width = label.get_window_extent(renderer).transformed(ax.transAxes.inverted()).width
+            if x + width > 1:
+                x, y = 0.0, y - 0.45
+                label.set_position((x, y))
+            for k, name in enumerate(names):
+                if record["blocked"][name][t]:
+                    ax.plot([x, x + width], [y - 0.05 - 0.06 * k] * 2, color=COLOURS[name], lw=2.5)
+            x += width
+        ax.set_xlim(0, 1)
+        ax.set_ylim(y - 0.4, 1.1)
+    handles = [plt.Line2D([], [], color=COLOURS[name], lw=2.5, label=f"blocked by {name}") for name in names]
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    figure.savefig(path, dpi=90)
+
+
 # ---------------------------------------------------------------------------- the command
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["regions", "numerics", "bandit"], help="draw one figure (default: all)")
+    parser.add_argument(
+        "--only", choices=["regions", "numerics", "bandit", "blocked"], help="one figure (default: all)"
+    )
     parser.add_argument("--model", default="", help="Figure 1's checkpoint (directory or Hub id); default: the demo's")
     parser.add_argument("--gguf", default="", help="or a GGUF file (needs gguf, accelerate), read as fp32")
     parser.add_argument("--dataset", default="arithmetic", help="Figure 1's prompts, as dppo.py's --dataset")
@@ -321,6 +515,7 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=8, help="Figure 1: completions per prompt")
     parser.add_argument("--max_new_tokens", type=int, default=16, help="Figure 1: completion length limit")
     parser.add_argument("--out", default=str(HERE), help="where the PNGs go")
+    parser.add_argument("dppo_flags", nargs="*", help="blocked: after --, flags for the dppo.py run it records")
     args = parser.parse_args(argv)
     try:
         import matplotlib
@@ -355,6 +550,16 @@ def main(argv=None):
         print("\n".join(bandit_table(result)))
         if plt:
             draw_bandit(plt, result, out / "rare_right_answer.png")
+    if args.only in (None, "blocked"):
+        model, name = args.model, Path(args.model).name or "the demo model"
+        if args.gguf:
+            model, name = read_gguf(args.gguf), Path(args.gguf).name.split(".")[0]
+        flags = BLOCKED_RUN + (["--model", model] if model else []) + args.dppo_flags
+        records, tokenizer, eos_ids = blocked_tokens(flags)
+        print("\n".join([f"\n## The tokens each trust region blocks: {name}, python dppo.py {' '.join(flags)}", ""]))
+        print("\n".join(blocked_tables(token_table(records, tokenizer, eos_ids))))
+        if plt:
+            draw_blocked(plt, records, tokenizer, out / f"blocked_{name.replace(' ', '_')}.png")
     print(f"\n{time.time() - started:.0f} s" + (f"; figures in {out}" if plt else ""), file=sys.stderr)
 
 
