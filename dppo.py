@@ -416,12 +416,13 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
         for rows in minibatch.split(cfg.micro_batch_size):
             sampled = rollout.select(rows)
             T = sampled.completion_ids.shape[1]
+            anchored = anchor.select(rows, T)  # the anchor's log-probs at these completions' tokens
             pi = policy_logprobs(model, sampled, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
-            token_loss, blocked = objective_loss(cfg, pi, anchor.select(rows, T), A[rows], sampled.completion_mask)
+            token_loss, blocked = objective_loss(cfg, pi, anchored, A[rows], sampled.completion_mask)
             micro_loss = (token_loss * weights[rows, :T]).sum()
             micro_loss.backward()
             loss += micro_loss.detach()
-            add_token_stats(stats, cfg, sampled, pi, anchor.select(rows, T), A[rows], blocked, first=update == 0)
+            add_token_stats(stats, cfg, sampled, pi, anchored, A[rows], blocked, first=update == 0)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
         if not math.isfinite(grad_norms[-1]):  # the same on every process: the norm is over the whole model
             model.eval()
