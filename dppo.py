@@ -87,7 +87,7 @@ def setting(default, help, choices=""):  # a Config field that is also a command
 @dataclasses.dataclass
 class Config:
     # -------- what is trained, on what
-    model: str = setting("", "Hub id or local directory of a causal LM; empty = the built-in tiny demo model")
+    model: str = setting("", "Hub id, local directory or GGUF file of a causal LM; empty = the demo's tiny model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
     objective: str = setting("ppo_clip", "the per-token loss: which trust region (see README)", " ".join(OBJECTIVES))
     # -------- sampling: the rollout and mu
@@ -531,6 +531,13 @@ def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: 
     stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
     stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
     stats.add("policy/mismatch_first_update" if first else "policy/drift_later_updates", (p - q).abs()[real])
+    if cfg.objective not in ("pg", "cispo"):  # the mask's split (pg and cispo block nothing): which side, how far
+        for sign, has_sign in (("pos", A > 0), ("neg", A < 0)):
+            for side, moved in (("rising", logp > logp_anchor), ("falling", logp < logp_anchor)):
+                stats.add(f"trust_region/blocked_frac_{sign}_adv_{side}", (blocked & has_sign & moved)[real].float())
+        stats.add("trust_region/abs_pi_minus_mu_blocked", (p - q).abs()[real & blocked])
+        stats.add("trust_region/abs_pi_minus_mu_kept", (p - q).abs()[real & ~blocked & (A != 0)])
+        stats.add("trust_region/blocked_at_branching_frac", (q < 0.5)[real & blocked].float())  # of blocked tokens
     if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
         tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
         tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
@@ -1152,7 +1159,7 @@ def fail(message: str):
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
     if resume_from and not (resume_from / "training_state.pt").is_file():
         fail(f"--resume {cfg.resume}: no checkpoint there; a run writes one with --save_every N or on Ctrl-C")
-    if cfg.model and not resume_from:
+    if cfg.model and not resume_from and not cfg.model.endswith(".gguf"):  # (a GGUF file is read by load_policy)
         check_model_source(cfg.model)  # a --model that cannot load is refused before the dataset downloads
     train_problems, held_out = load_problems(cfg)
     if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
@@ -1251,8 +1258,10 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
 
 
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
+    gguf = {"gguf_file": os.path.basename(name_or_path)} if name_or_path.endswith(".gguf") else {}
+    where = os.path.dirname(os.path.abspath(name_or_path)) if gguf else name_or_path
     try:
-        tokenizer, config = AutoTokenizer.from_pretrained(name_or_path), AutoConfig.from_pretrained(name_or_path)
+        tokenizer, config = AutoTokenizer.from_pretrained(where, **gguf), AutoConfig.from_pretrained(where, **gguf)
         for key, value in config.to_dict().items():  # dropout off: the update runs in train mode, where pi must be mu
             if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
                 setattr(config, key, 0.0)
@@ -1262,7 +1271,10 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
             with contextlib.suppress(OSError):  # the EOS ids, as from_pretrained reads them
                 model.generation_config = GenerationConfig.from_pretrained(name_or_path)
         else:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=torch.float32).to(device)
+            model = AutoModelForCausalLM.from_pretrained(where, **gguf, config=config, dtype=torch.float32).to(device)
+        if gguf and not empty:  # its weights, dequantized to fp32, are trained and saved as an ordinary checkpoint's
+            model.hf_quantizer = None
+            del model.config.quantization_config
     except OSError as error:  # no such model on the Hub, or only part of it in the offline cache, ...
         fail(f"--model {name_or_path}: {first_line(error)}")
     if gradient_checkpointing:  # non-reentrant torch.utils.checkpoint per decoder layer, in train mode only
@@ -1354,11 +1366,8 @@ def fill_from_rank_0(module, whole, device):
     """Rank 0 alone has read the weights (`whole`, on CPU): fill every process's share of `module`, built on meta."""
     module.to_empty(device=device)
     if isinstance(module, FSDPModule):  # (a sampler copy gets its weights from refresh_sampler before each rollout)
-        set_model_state_dict(
-            module,
-            whole.state_dict() if whole is not None else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
+        weights = whole.state_dict() if whole is not None else {}
+        set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buffer in module.named_buffers():  # what a state dict leaves out (RoPE's)
         if whole is not None:
             buffer.copy_(whole.get_buffer(name))
@@ -1456,16 +1465,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, rewar
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
-        torch.save(
-            {
-                "step": step,
-                "optimizer": optimizer_state,
-                "reward_history": reward_history,
-                "initial_accuracy": initial_accuracy,
-                "random_states": random_states,
-            },
-            partial / "training_state.pt",
-        )
+        state = dict(step=step, optimizer=optimizer_state, reward_history=reward_history, random_states=random_states)
+        torch.save(state | {"initial_accuracy": initial_accuracy}, partial / "training_state.pt")
         if final.exists():
             final.rename(old)
         partial.rename(final)  # written aside, then renamed: a crash leaves the last checkpoint whole
@@ -1494,18 +1495,20 @@ class TokenStats(dict):
     """name -> (sum, count, max) over a step's tokens, kept on the device; reported over every process as a share if
     "_frac" is in the name, else as _mean and _max."""
 
-    def add(self, name: str, values: torch.Tensor):
-        total, count, largest = self.get(name, (0.0, 0, -math.inf))
-        self[name] = (total + values.sum().double(), count + values.numel(), values.max().double().clamp(min=largest))
+    def add(self, name: str, values: torch.Tensor):  # values may be empty: a name is reported if any process has some
+        total, count, largest = self.get(name, (0.0, 0, torch.tensor(-math.inf, dtype=torch.float64)))
+        largest = torch.cat([values.flatten().double(), largest.to(values.device).view(1)]).max()
+        self[name] = (total + values.sum().double(), count + values.numel(), largest)
 
     def metrics(self) -> dict:
         names = sorted(self)
         totals = torch.stack([self[name][0] for name in names])
-        sums = all_reduced(torch.cat([totals, totals.new_tensor([self[name][1] for name in names])]))
-        means = (sums[: len(names)] / sums[len(names) :]).tolist()
+        totals, counts = all_reduced(torch.cat([totals, totals.new_tensor([self[name][1] for name in names])])).chunk(2)
         maxima = all_reduced(torch.stack([self[name][2] for name in names]), dist.ReduceOp.MAX).tolist()
         reported = {}
-        for name, mean, maximum in zip(names, means, maxima):
+        for name, mean, maximum, count in zip(names, (totals / counts).tolist(), maxima, counts.tolist()):
+            if count == 0:  # no token of this kind on any process this step
+                continue
             if "_frac" in name:
                 reported[name] = mean
             else:
@@ -1522,9 +1525,7 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
     sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
     completions, answers, tokens, truncated, entropy = sums.tolist()
     (rollout_s, rollout_mb), (update_s, update_mb) = clock["rollout"], clock["update"]
-    peaks = all_reduced(
-        torch.tensor([rollout_mb, update_mb], dtype=torch.float64, device=mask.device), dist.ReduceOp.MAX
-    )
+    peaks = all_reduced(mask.new_tensor([rollout_mb, update_mb], dtype=torch.float64), dist.ReduceOp.MAX)
     return {
         "reward/mean": rewards.mean().item(),
         "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
@@ -1614,9 +1615,8 @@ def train_tokenizer(corpus: list[str], vocab_size: int = 512):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     special_tokens, alphabet = ["<|endoftext|>", "<|pad|>"], pre_tokenizers.ByteLevel.alphabet()
-    bpe.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=alphabet)
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=alphabet)
+    bpe.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 

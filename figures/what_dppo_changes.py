@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import importlib
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -508,8 +507,7 @@ def main(argv=None):
     parser.add_argument(
         "--only", choices=["regions", "numerics", "bandit", "blocked"], help="one figure (default: all)"
     )
-    parser.add_argument("--model", default="", help="Figure 1's checkpoint (directory or Hub id); default: the demo's")
-    parser.add_argument("--gguf", default="", help="or a GGUF file (needs gguf, accelerate), read as fp32")
+    parser.add_argument("--model", default="", help="the checkpoint, as dppo.py's --model; default: the demo's")
     parser.add_argument("--dataset", default="arithmetic", help="Figure 1's prompts, as dppo.py's --dataset")
     parser.add_argument("--prompts", type=int, default=128, help="Figure 1: prompts")
     parser.add_argument("--samples", type=int, default=8, help="Figure 1: completions per prompt")
@@ -534,9 +532,7 @@ def main(argv=None):
         if plt:
             draw_regions(plt, out / "trust_regions.png")
     if args.only in (None, "numerics"):
-        model, name = args.model, Path(args.model).name or "the demo model"
-        if args.gguf:
-            model, name = read_gguf(args.gguf), Path(args.gguf).name.split(".")[0]
+        model, name = args.model, checkpoint_name(args.model)
         tokens = sampled_tokens(
             model, args.dataset, ("bfloat16", "float16"), args.prompts, args.samples, args.max_new_tokens
         )
@@ -551,9 +547,7 @@ def main(argv=None):
         if plt:
             draw_bandit(plt, result, out / "rare_right_answer.png")
     if args.only in (None, "blocked"):
-        model, name = args.model, Path(args.model).name or "the demo model"
-        if args.gguf:
-            model, name = read_gguf(args.gguf), Path(args.gguf).name.split(".")[0]
+        model, name = args.model, checkpoint_name(args.model)
         flags = BLOCKED_RUN + (["--model", model] if model else []) + args.dppo_flags
         records, tokenizer, eos_ids = blocked_tokens(flags)
         print("\n".join([f"\n## The tokens each trust region blocks: {name}, python dppo.py {' '.join(flags)}", ""]))
@@ -563,19 +557,9 @@ def main(argv=None):
     print(f"\n{time.time() - started:.0f} s" + (f"; figures in {out}" if plt else ""), file=sys.stderr)
 
 
-def read_gguf(path: str) -> str:
-    """A GGUF checkpoint as a save_pretrained directory of fp32 weights, for load_policy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = os.path.split(os.path.abspath(path))
-    quantised = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
-    del quantised.config.quantization_config
-    model = AutoModelForCausalLM.from_config(quantised.config)
-    model.load_state_dict(quantised.state_dict())
-    out = tempfile.mkdtemp(prefix="gguf-")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
-    return out
+def checkpoint_name(model: str) -> str:  # 'SmolLM2-135M-Instruct' for its 'SmolLM2-135M-Instruct.Q4_1.gguf'
+    name = Path(model).name or "the demo model"
+    return name.split(".")[0] if name.endswith(".gguf") else name
 
 
 if __name__ == "__main__":
