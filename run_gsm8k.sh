@@ -168,8 +168,8 @@ except ImportError:
     print(f"no {out}/curves.png: `pip install matplotlib` to draw the curves", file=sys.stderr)
     sys.exit(0)
 panels = [("held-out accuracy", "eval/accuracy"), ("|π − μ| of sampled tokens, mean", "policy/abs_pi_minus_mu_mean"),
-          ("completions truncated", "completion/truncated")]
-figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+          ("completions truncated", "completion/truncated"), ("tokens blocked", "trust_region/blocked_frac")]
+figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8))
 for (title, key), ax in zip(panels, axes):
     for i, objective in enumerate(objectives):
         for j, seed in enumerate(seeds):
