@@ -1496,8 +1496,8 @@ class TokenStats(dict):
     "_frac" is in the name, else as _mean and _max."""
 
     def add(self, name: str, values: torch.Tensor):  # values may be empty: a name is reported if any process has some
-        total, count, largest = self.get(name, (0.0, 0, torch.tensor(-math.inf, dtype=torch.float64)))
-        largest = torch.cat([values.flatten().double(), largest.to(values.device).view(1)]).max()
+        total, count, largest = self.get(name, (0.0, 0, values.new_full((), -math.inf, dtype=torch.float64)))
+        largest = torch.cat([values.flatten().double(), largest.view(1)]).max()
         self[name] = (total + values.sum().double(), count + values.numel(), largest)
 
     def metrics(self) -> dict:
