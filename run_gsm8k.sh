@@ -36,6 +36,8 @@ out=
 mode=gsm8k
 report_only=0
 model_given=0
+keep_models=()
+declare -A variants=()  # name -> its dppo.py flags, e.g. relax_low -> "--objective ppo_clip --relax_clip low"
 while (($#)); do
   case "$1" in
     --model) model=$2; model_given=1; shift 2 ;;
@@ -45,6 +47,8 @@ while (($#)); do
     --steps) steps=$2; shift 2 ;;
     --eval_n) eval_n=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --variant) variants[$2]=$3; shift 3 ;;
+    --keep_models) keep_models=(--keep_models); shift ;;
     --smoke) mode=smoke; shift ;;
     --demo) mode=demo; shift ;;
     --report) report_only=1; shift ;;
@@ -95,10 +99,19 @@ esac
 
 if ((!report_only)); then
   for seed in $seeds; do
-    for objective in $objectives; do
-      echo "== $objective, seed $seed"
-      python "$here/dppo.py" "${run[@]}" --objective "$objective" --seed "$seed" \
-        --output_dir "$out/$objective-seed$seed" "${extra[@]}"
+    for name in $objectives; do
+      record=$out/$name-seed$seed
+      if python "$here/figures/study.py" finished "$record"; then
+        echo "== $name, seed $seed: finished before, skipped"
+        continue
+      fi
+      echo "== $name, seed $seed"
+      read -ra objective <<< "${variants[$name]:---objective $name}"
+      flags=("${run[@]}" "${objective[@]}" --seed "$seed" "${extra[@]}")
+      rm -rf "$record"  # an unfinished run starts again from step 0
+      python "$here/figures/study.py" start "$record" -- "${flags[@]}"
+      python "$here/dppo.py" "${flags[@]}" --output_dir "$record"
+      python "$here/figures/study.py" finish "$record" "${keep_models[@]}"
     done
   done
 fi
