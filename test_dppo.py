@@ -4288,7 +4288,8 @@ def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_thro
     prompts = [dppo.format_prompt(tokenizer, p["question"]) for p in dppo.arithmetic_problems()["train"]]
     prompt = max(len(ids) for ids in tokenizer(prompts).input_ids)
     bound = update_memory_bound_mib(Qwen2Config.from_pretrained(checkpoint), n_params, 8, prompt, 512, cuda_bf16=True)
-    assert update_mb < bound  # what the update holds: weights, gradients, AdamW, saved activations, kept logits
+    print(f"update peak measured {update_mb:.0f} MiB, bound {bound:.0f} MiB ({bound / update_mb:.2f} x measured)")
+    assert update_mb <= bound <= 1.3 * update_mb  # weights, gradients, AdamW, saved activations, kept logits
     # sampler and trainer are the same weights in the same bf16 autocast: only kernel rounding separates mu and pi
     assert step["policy/mismatch_first_update_mean"] < 1e-2
 
