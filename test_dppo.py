@@ -2984,14 +2984,17 @@ def test_training_memory_is_bounded_by_the_chunk_not_by_the_logits(large_vocab_c
 
 def update_memory_bound_mib(config, n_params: int, micro_batch: int, prompt: int, completion: int, cuda_bf16: bool):
     """What an update holds at its peak, in MiB (README, "Memory and speed"): weights, gradients and AdamW; each layer's
-    saved activations (on a CPU with the attention weights); a micro-batch's kept logits, 5 fp32 copies at the peak."""
+    saved activations (on a CPU with the attention weights); a micro-batch's kept logits, one fp32 copy each, and one
+    chunk's temporaries in backward (4 fp32 copies, and the bf16 output under autocast)."""
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv, positions = config.num_key_value_heads * h // heads, micro_batch * (prompt + completion)
     saved = 2 if cuda_bf16 else 4  # bytes of a saved matmul output
     state = n_params * (18 if cuda_bf16 else 16)
     layer = positions * (6 * h * 4 + (8 * h + 4 * kv + 4 * config.intermediate_size) * saved)
     attention = 0 if cuda_bf16 else micro_batch * heads * (prompt + completion) ** 2 * 4 * 2
-    logits = micro_batch * completion * config.vocab_size * (5 * 4 + (2 if cuda_bf16 else 0))
+    kept = micro_batch * completion * config.vocab_size  # logits kept for backward: a pass below LOGITS_KEPT
+    chunk = min(kept, dppo.LOGITS_CHUNK)
+    logits = kept * 4 + chunk * (4 * 4 + (2 if cuda_bf16 else 0))
     return (state + layers * (layer + attention) + logits) / 2**20
 
 
