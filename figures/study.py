@@ -73,7 +73,250 @@ def is_finished(run_dir: Path) -> bool:
     return path.exists() and json.loads(path.read_text())["finished"] is not None
 
 
+END = 5  # "at the end" = the mean over a run's last END steps
+
+
+def load_records(directory: Path, names: list[str], seeds: list[str]):
+    """{(name, seed): records} of the finished runs; the runs missing or unfinished; the one CPU model and commit."""
+    finished, absent = {}, []
+    for name in names:
+        for seed in seeds:
+            run_dir = directory / f"{name}-seed{seed}"
+            if not (run_dir / "provenance.json").exists():
+                absent.append(f"{name} seed {seed} (missing)")
+            elif not is_finished(run_dir):
+                absent.append(f"{name} seed {seed} (unfinished)")
+            else:
+                provenance = json.loads((run_dir / "provenance.json").read_text())
+                records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+                finished[name, seed] = (provenance, records)
+    origins = {key: {run[0][key] for run in finished.values()} for key in ("cpu", "commit")}
+    for key, values in origins.items():
+        if len(values) > 1:
+            sys.exit(
+                f"study.py: the records come from {len(values)} {key}s ({', '.join(sorted(values))}): one table "
+                f"holds one; report each {key}'s records from a directory of their own"
+            )
+    return finished, absent, {key: next(iter(values), "–") for key, values in origins.items()}
+
+
+def accuracies(records) -> dict[int, float]:
+    return {r["step"]: 100 * r["eval/accuracy"] for r in records if "eval/accuracy" in r}
+
+
+def mean_std(values, fmt=".1f") -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}}"
+
+
+def training(records) -> dict:
+    """A run's dynamics: truncation and blocked tokens over its steps, where the blocks sit, the policy's drift."""
+    steps = [r for r in records if "reward/mean" in r]
+    tokens = [r["completion/length_mean"] for r in steps]  # a step's blocked fraction counts its tokens
+    blocked = sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens))
+
+    def share_of_blocked(key):
+        return 100 * sum(r[key] * r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens)) / blocked
+
+    return {
+        "truncated first": 100 * statistics.mean(r["completion/truncated"] for r in steps[:END]),
+        "truncated end": 100 * statistics.mean(r["completion/truncated"] for r in steps[-END:]),
+        "blocked": 100 * blocked / sum(tokens),
+        "at branching": share_of_blocked("trust_region/blocked_at_branching_frac") if blocked else None,
+        "A<0, falling": 100
+        * sum(r["trust_region/blocked_frac_neg_adv_falling"] * n for r, n in zip(steps, tokens))
+        / blocked
+        if blocked
+        else None,
+        "drift": statistics.mean(r["policy/abs_pi_minus_mu_mean"] for r in steps),
+        "minutes": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"] / 60,
+    }
+
+
+def run_summary(records):
+    """The columns of the demo's and the stress test's tables (README): one run's accuracy, drift and blocked tokens."""
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    steps = [r for r in records if "reward/mean" in r]
+    end = steps[-END:]
+    tokens = [r["completion/length_mean"] for r in steps]  # every step has P x G completions: weights by token count
+    blocked = sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens))
+
+    def share_of_blocked(key):  # e.g. of all blocked tokens, the share with mu(a_t) < 0.15
+        if blocked == 0 or key not in steps[0]:
+            return None
+        return sum(r[key] * n for r, n in zip(steps, tokens)) / blocked
+
+    return {
+        "before": evals[0],
+        "final": evals[-1],
+        "lowest": min(evals),
+        "truncated": statistics.mean(r["completion/truncated"] for r in end),
+        "drift": statistics.mean(r["policy/abs_pi_minus_mu_mean"] for r in end),
+        "drift_max": max(r["policy/abs_pi_minus_mu_max"] for r in steps),
+        "mismatch": statistics.mean(r["policy/mismatch_first_update_mean"] for r in steps),
+        "blocked": statistics.mean(r["trust_region/blocked_frac"] for r in steps),
+        "rare_blocked": share_of_blocked("trust_region/blocked_rare_frac"),
+        "rare_all": statistics.mean(r["policy/rare_token_frac"] for r in steps),
+        "tv_too": share_of_blocked("trust_region/blocked_also_by_tv_frac"),
+        "seconds": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"],
+    }
+
+
+def summary_table(finished, names, seeds) -> list[str]:
+    """The table run_gsm8k.sh has always ended in, mean ± std over seeds; the README's demo and stress tables."""
+    lines = [
+        "",
+        f'Per run, mean ± std over seeds (accuracy in %; "end" = the mean over the last {END} steps):',
+        "",
+        "| objective | accuracy before | final | lowest | truncated at the end (%) | \\|π−μ\\| at the end | "
+        "\\|π−μ\\| max | \\|π−μ\\| at update 1 | tokens blocked (%) | of them μ(a_t) < 0.15 (%) | "
+        "all tokens μ(a_t) < 0.15 (%) | clipped that TV δ=0.15 blocks too (%) | seconds per run |",
+        "|---" * 13 + "|",
+    ]
+    for name in names:
+        runs = [run_summary(finished[name, seed][1]) for seed in seeds if (name, seed) in finished]
+
+        def cell(key, scale=1.0, fmt=".1f"):
+            return mean_std([run[key] * scale for run in runs if run[key] is not None], fmt)
+
+        lines.append(
+            f"| `{name}` | {cell('before', 100)} | {cell('final', 100)} | {cell('lowest', 100)} | "
+            f"{cell('truncated', 100)} | {cell('drift', fmt='.4f')} | {cell('drift_max', fmt='.3f')} | "
+            f"{cell('mismatch', fmt='.1e')} | {cell('blocked', 100, '.2f')} | {cell('rare_blocked', 100)} | "
+            f"{cell('rare_all', 100)} | {cell('tv_too', 100)} | {cell('seconds', fmt='.0f')} |"
+        )
+    return lines
+
+
+def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]]) -> str:
+    finished, absent, origin = load_records(directory, names, seeds)
+    flags = next(iter(finished.values()))[0]["flags"] if finished else []
+    eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
+    lines = [
+        f"Records in `{directory}`: {len(finished)} finished of {len(names) * len(seeds)} (seeds {', '.join(seeds)}); "
+        f"commit {origin['commit'][:7]}, CPU {origin['cpu']}. Flags: `{' '.join(flags)}` (`--objective` and `--seed` "
+        "per run).",
+        "",
+        "Greedy held-out accuracy (%) at each evaluation step: mean ± std over the finished seeds, then each seed's.",
+        "",
+        "| name | seeds | " + " | ".join(f"step {step}" for step in eval_steps) + " |",
+        "|---" * (2 + len(eval_steps)) + "|",
+    ]
+    for name in names:
+        runs = {seed: accuracies(finished[name, seed][1]) for seed in seeds if (name, seed) in finished}
+        cells = []
+        for step in eval_steps:
+            values = [run[step] for run in runs.values() if step in run]
+            each = " / ".join(f"{run[step]:.1f}" for run in runs.values() if step in run)
+            cells.append(f"{mean_std(values)} ({each})" if values else "–")
+        lines.append(f"| `{name}` | {', '.join(runs) or '–'} | " + " | ".join(cells) + " |")
+    for a, b in pairs:
+        shared = [seed for seed in seeds if (a, seed) in finished and (b, seed) in finished]
+        lines += ["", f"`{a}` − `{b}`, paired by seed (same seed, same prompt order), in points:", ""]
+        lines += ["| step | " + " | ".join(f"seed {seed}" for seed in shared) + " | mean | verdict |"]
+        lines += ["|---" * (3 + len(shared)) + "|"]
+        for step in eval_steps[1:]:
+            gaps = [accuracies(finished[a, s][1])[step] - accuracies(finished[b, s][1])[step] for s in shared]
+            signs = {(gap > 0) - (gap < 0) for gap in gaps}
+            verdict = "no finished pair"
+            if gaps:
+                verdict = (
+                    "a gap: every seed's difference has one sign"
+                    if len(signs) == 1 and 0 not in signs
+                    else ("within the seeds' spread: the signs differ" if len(gaps) > 1 else "one seed: no verdict")
+                )
+                if len(shared) < len(seeds) and len(signs) == 1 and 0 not in signs:
+                    verdict = f"one sign so far, {len(shared)} of {len(seeds)} seeds"
+            cells = [f"{gap:+.1f}" for gap in gaps]
+            lines.append(
+                f"| {step} | " + " | ".join(cells) + f" | {mean_std(gaps, '+.1f') if gaps else '–'} | {verdict} |"
+            )
+    columns = ["truncated first", "truncated end", "blocked", "at branching", "A<0, falling", "drift", "minutes"]
+    lines += [
+        "",
+        f"Over training, mean ± std over seeds: completions truncated (%) over the first and the last {END} steps; "
+        "tokens blocked (%, of all trained tokens); of the blocked, the share at branching points (μ(a_t) < 0.5) and "
+        "with A < 0 and π falling (%); |π − μ| of the sampled tokens, mean over steps; minutes per run (its "
+        "evaluations included).",
+        "",
+        "| name | " + " | ".join(columns) + " |",
+        "|---" * (1 + len(columns)) + "|",
+    ]
+    for name in names:
+        runs = [training(finished[name, seed][1]) for seed in seeds if (name, seed) in finished]
+        cells = [
+            mean_std([run[c] for run in runs if run[c] is not None], ".4f" if c == "drift" else ".1f") for c in columns
+        ]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += summary_table(finished, names, seeds)
+    if absent:
+        lines += ["", f"Not in the tables: {'; '.join(absent)}."]
+    return "\n".join(lines) + "\n"
+
+
+def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
+    """Each name's mean over its finished seeds, with the min–max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finished = load_records(directory, names, seeds)[0]
+    panels = [
+        ("held-out accuracy (%)", "eval/accuracy"),
+        ("completions truncated (%)", "completion/truncated"),
+        ("tokens blocked (%)", "trust_region/blocked_frac"),
+        ("|π − μ| of sampled tokens, mean", "policy/abs_pi_minus_mu_mean"),
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
+    for (title, key), ax in zip(panels, axes):
+        scale = 1 if key.startswith("policy/") else 100
+        for i, name in enumerate(names):
+            curves = [
+                {r["step"]: scale * r[key] for r in finished[name, s][1] if key in r}
+                for s in seeds
+                if (name, s) in finished
+            ]
+            if not curves:
+                continue
+            steps = sorted(set.intersection(*(set(curve) for curve in curves)))
+            values = [[curve[step] for curve in curves] for step in steps]
+            ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{name} ({len(curves)})")
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, title="name (seeds)", title_fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="a seeded study's table and figure, from its records")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--names", required=True, help='the objectives and variants, e.g. "binary_tv ppo_clip"')
+    parser.add_argument("--seeds", required=True, help='e.g. "0 1 2"')
+    parser.add_argument("--pair", action="append", default=[], help='"A B": A − B per seed; repeatable')
+    parser.add_argument("--figure", type=Path, help="where the figure goes (default DIRECTORY/curves.png)")
+    args = parser.parse_args(argv)
+    names, seeds = args.names.split(), args.seeds.split()
+    table = report(args.directory, names, seeds, [tuple(pair.split()) for pair in args.pair])
+    (args.directory / "results.md").write_text(table)
+    print(table, end="")
+    try:
+        draw(args.directory, names, seeds, args.figure or args.directory / "curves.png")
+    except ImportError:
+        print("no figure: `pip install matplotlib` to draw it", file=sys.stderr)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["report"]:
+        main(sys.argv[2:])
+        sys.exit()
     command, run_dir, *rest = sys.argv[1:]
     if command == "start":
         start(Path(run_dir), rest[1:] if rest[:1] == ["--"] else rest)
