@@ -25,10 +25,12 @@ import functools
 import gc
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import random
 import re
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -3559,13 +3561,12 @@ def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
     ]
     result = subprocess.run(smoke, capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path / "home")})
     assert result.returncode == 0, result.stderr[-2000:]
-    table = (tmp_path / "results.md").read_text().splitlines()
-    rows = [line for line in table if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == objectives
-    for objective, row in zip(objectives, rows):
+    rows = table_rows(tmp_path / "results.md", "Per run")
+    assert list(rows) == objectives
+    for objective, row in rows.items():
         evals = [r for r in records(tmp_path / f"{objective}-seed0") if "eval/accuracy" in r]
         assert [r["step"] for r in evals] == [0, 3]  # before and after training only
-        assert row.split(" | ")[1:3] == [f"{100 * evals[i]['eval/accuracy']:.1f}" for i in (0, -1)]
+        assert row[:2] == [f"{100 * evals[i]['eval/accuracy']:.1f}" for i in (0, -1)]
     if importlib.util.find_spec("matplotlib") is not None:  # an optional extra: without it, the table alone
         assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -3584,6 +3585,16 @@ def write_metrics(path: Path, accuracies, blocked, blocked_rare, lengths, also_b
         records.append(record)
     records += [{"step": 2 * i, "eval/accuracy": a, "time/elapsed_s": 60.0 * i} for i, a in enumerate(accuracies)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["step"])))
+    provenance = {"commit": "0" * 40, "cpu": "a CPU", "flags": [], "finished": "2026-01-01 00:00:00"}
+    (path / "provenance.json").write_text(json.dumps(provenance))
+
+
+def table_rows(results: Path, title: str) -> dict[str, list[str]]:
+    """The rows of results.md's table under the line that starts with title: {name: its cells}."""
+    lines = results.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :])
+    return {row.split("`")[1]: row.strip("| ").split(" | ")[1:] for row in table if row.startswith("| `")}
 
 
 def study_report(out: Path) -> list:
@@ -3607,11 +3618,7 @@ def test_a_study_report_has_mean_and_std_over_seeds_with_or_without_matplotlib(t
     assert result.returncode == 0 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install matplotlib" in result.stderr
     assert not (tmp_path / "study" / "curves.png").exists()
-    rows = {
-        row.split("`")[1]: row.strip("| ").split(" | ")[1:]
-        for row in (tmp_path / "study" / "results.md").read_text().splitlines()
-        if row.startswith("| `")
-    }
+    rows = table_rows(tmp_path / "study" / "results.md", "Per run")
     # before, final, lowest, truncated at the end, |pi-mu| at the end, its max, at update 1, blocked, rare among
     # the blocked (weighted by tokens: (0.05*10 + 0.3*20) / (0.1*10 + 0.3*20)), rare among all, TV overlap, seconds
     pg = "30.0 ± 0.0 | 20.0 ± 0.0 | 10.0 ± 0.0 | 15.0 ± 0.0 | 0.0150 ± 0.0000 | 0.200 ± 0.000 | 1.0e-03 ± 0.0e+00"
@@ -3626,7 +3633,76 @@ def test_a_study_report_draws_the_curves_with_matplotlib(tmp_path):
     result = subprocess.run(study_report(tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "results.md").read_text().count("| `") == 2
+    assert list(table_rows(tmp_path / "results.md", "Greedy held-out accuracy")) == ["pg", "ppo_clip"]
+
+
+def readme_study() -> tuple[list[str], list[str]]:
+    """The README's seeded SmolLM2 study, `bash run_gsm8k.sh --demo --model $GGUF … --variant … -- FLAGS`: the
+    script's options, and the flags after -- for every dppo.py run."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    line = re.search(r"^bash run_gsm8k\.sh (--demo --model \$GGUF .*--variant .*)$", readme, re.M).group(1)
+    options, flags = line.split(" -- ")
+    return shlex.split(options), flags.split()
+
+
+def with_option(options: list[str], name: str, value=None) -> list[str]:
+    """options without name's value, and with value instead if given."""
+    i = options.index(name)
+    return options[:i] + options[i + 2 :] + ([name, value] if value is not None else [])
+
+
+def test_the_readme_study_runs_in_pieces_on_the_demo_model(demo_cache, tmp_path):
+    """The README's seeded study for 2 steps on the demo model, seed 0: each record holds its provenance and no
+    model; the same command again skips every finished run; the report over a partial set names the runs missing
+    or unfinished, and refuses records from two CPU models."""
+    options, flags = readme_study()
+    names = options[options.index("--objectives") + 1].split()
+    out = tmp_path / "study"
+    options = with_option(with_option(with_option(options, "--model"), "--seeds", "0"), "--out", str(out))
+    flags += f"--steps 2 --eval_every 2 --eval_n 8 --eval_batch_size 8 --cache_dir {demo_cache}".split()
+    study = ["bash", str(HERE / "run_gsm8k.sh"), *options, "--", *flags]
+    first = subprocess.run(study, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    variant, variant_flags = options[options.index("--variant") + 1 : options.index("--variant") + 3]
+    for name in names:
+        provenance = json.loads((out / f"{name}-seed0" / "provenance.json").read_text())
+        assert provenance["finished"] and re.fullmatch(r"[0-9a-f]{40}(-dirty)?", provenance["commit"])
+        assert provenance["cpu"] and provenance["torch"] == torch.__version__
+        assert provenance["flags"][-len(flags) :] == flags
+        assert (variant_flags if name == variant else f"--objective {name}") in " ".join(provenance["flags"])
+        assert sorted(path.name for path in (out / f"{name}-seed0").iterdir()) == ["metrics.jsonl", "provenance.json"]
+    metrics = {name: (out / f"{name}-seed0" / "metrics.jsonl").read_bytes() for name in names}
+    again = subprocess.run(study, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("finished before, skipped") == len(names), again.stderr
+    assert metrics == {name: (out / f"{name}-seed0" / "metrics.jsonl").read_bytes() for name in names}
+    shutil.copytree(out / f"{names[0]}-seed0", out / f"{names[0]}-seed1")  # a run stopped part way
+    unfinished = json.loads((out / f"{names[0]}-seed1" / "provenance.json").read_text()) | {"finished": None}
+    (out / f"{names[0]}-seed1" / "provenance.json").write_text(json.dumps(unfinished))
+    report = ["python", str(HERE / "figures" / "study.py"), "report", str(out), "--names", " ".join(names)]
+    partial = subprocess.run([*report, "--seeds", "0 1"], capture_output=True, text=True, timeout=120)
+    assert partial.returncode == 0, partial.stderr
+    assert f"{names[0]} seed 1 (unfinished); {names[1]} seed 1 (missing)" in partial.stdout
+    assert table_rows(out / "results.md", "Greedy held-out accuracy")[names[0]][0] == "0"  # seed 1 is left out
+    elsewhere = json.loads((out / f"{names[1]}-seed0" / "provenance.json").read_text()) | {"cpu": "another CPU"}
+    (out / f"{names[1]}-seed0" / "provenance.json").write_text(json.dumps(elsewhere))
+    mixed = subprocess.run([*report, "--seeds", "0"], capture_output=True, text=True, timeout=120)
+    assert mixed.returncode == 1 and "the records come from 2 cpus" in mixed.stderr
+
+
+def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
+    """The README's command redraws the seeded study's tables and figure from figures/'s records; each line of the
+    tables stands in the README as drawn."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M)
+    shutil.copytree(HERE / command.group(1), tmp_path / command.group(1))
+    report = [sys.executable, str(HERE / "figures" / "study.py"), "report", command.group(1), *shlex.split(command[2])]
+    result = subprocess.run([*report, "--figure", "curves.png"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    readme_lines = set(readme.splitlines())
+    tables = (tmp_path / command.group(1) / "results.md").read_text().splitlines()
+    assert [line for line in tables if line not in readme_lines] == []
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------------- command line

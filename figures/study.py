@@ -118,19 +118,18 @@ def training(records) -> dict:
     tokens = [r["completion/length_mean"] for r in steps]  # a step's blocked fraction counts its tokens
     blocked = sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens))
 
-    def share_of_blocked(key):
-        return 100 * sum(r[key] * r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens)) / blocked
+    def share_of_blocked(key, of_blocked=True):  # of all blocked tokens, the share in that class (%)
+        if not blocked or key not in steps[0]:
+            return None
+        weight = [r[key] * (r["trust_region/blocked_frac"] if of_blocked else 1) for r in steps]
+        return 100 * sum(w * n for w, n in zip(weight, tokens)) / blocked
 
     return {
         "truncated first": 100 * statistics.mean(r["completion/truncated"] for r in steps[:END]),
         "truncated end": 100 * statistics.mean(r["completion/truncated"] for r in steps[-END:]),
         "blocked": 100 * blocked / sum(tokens),
-        "at branching": share_of_blocked("trust_region/blocked_at_branching_frac") if blocked else None,
-        "A<0, falling": 100
-        * sum(r["trust_region/blocked_frac_neg_adv_falling"] * n for r, n in zip(steps, tokens))
-        / blocked
-        if blocked
-        else None,
+        "at branching": share_of_blocked("trust_region/blocked_at_branching_frac"),
+        "A<0, falling": share_of_blocked("trust_region/blocked_frac_neg_adv_falling", of_blocked=False),
         "drift": statistics.mean(r["policy/abs_pi_minus_mu_mean"] for r in steps),
         "minutes": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"] / 60,
     }
