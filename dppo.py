@@ -1,25 +1,27 @@
 """dppo.py: RL post-training of a language model under a trust region, in one file: DPPO (Qi et al., "Rethinking
 the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is compared against.
 
-    python dppo.py                                     # offline demo: a built-in tiny model learns arithmetic on a CPU
-    python dppo.py --objective topk_tv                 # the same under DPPO's top-K TV trust region
+    python dppo.py                                     # offline demo: a tiny model learns arithmetic under DPPO
+    python dppo.py --objective ppo_clip                # the same under PPO's clip, the baseline
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
 
-Names: mu is the sampler's distribution, recorded while sampling; pi is the policy being trained; the *anchor* is
-what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's first update
-(--recompute_old, the paper's ablation). The algorithm in this file's names, in the order they run:
+Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi is the policy being trained;
+the *anchor* is what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's
+first update (--recompute_old, the paper's ablation); M is eq. 11's mask; tau the temperature, T a completion's length,
+U the updates per rollout. The algorithm in this file's names, in the order they run:
 
     for step in 1 .. steps:                                                        train, rl_step
-        sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  generate_rollout, SamplingRecorder
+        sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample, SamplingRecorder
         reward 1/0 for the right final answer                                       rewards.py
         advantages per group of G completions                                       grpo_advantages | sas_advantages
         the anchor is mu as sampled; [--recompute_old] pi_old, with a correction    recompute_anchor
-        M mini-batches, one AdamW step each, on                                     update_policy
+        U mini-batches, one AdamW step each, on                                     update_policy
           sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
           loss_t from log pi, the anchor and A:                                     objective_loss
-            pg_loss | ppo_clip_loss | dcpo_loss | erc_loss | cispo_loss | gspo_loss | drpo_loss | cppo_loss
+            pg_loss | ppo_clip_loss
             | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl          dppo_divergence
+            | dcpo_loss | erc_loss | cispo_loss | gspo_loss | drpo_loss | cppo_loss (the neighbours)
           log pi from one teacher-forced pass, the output layer in chunks           policy_logprobs
         every eval_every steps: greedy held-out accuracy                            evaluate
 
@@ -90,12 +92,12 @@ class Config:
     # -------- what is trained, on what
     model: str = setting("", "Hub id, local directory or GGUF file of a causal LM; empty = the demo's tiny model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
-    objective: str = setting("ppo_clip", "the per-token loss: which trust region (see README)", " ".join(OBJECTIVES))
+    objective: str = setting("binary_tv", "the per-token loss: which trust region (see README)", " ".join(OBJECTIVES))
     # -------- sampling: the rollout and mu
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
     max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
-    temperature: float = setting(1.0, "sampling temperature T; pi's logits are divided by the same T")
+    temperature: float = setting(1.0, "sampling temperature tau; pi's logits are divided by the same tau")
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from a copy in this dtype", "policy float32 bfloat16 float16")
     # -------- advantages and the loss's aggregation
@@ -128,7 +130,7 @@ class Config:
     # -------- training
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
-    updates_per_step: int = setting(4, "M: mini-batches per rollout batch, one optimizer step each (trust regions: 2+)")
+    updates_per_step: int = setting(4, "U: mini-batches per rollout batch, one optimizer step each (trust regions: 2+)")
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -175,27 +177,47 @@ DEMO_DEFAULTS = dict(
 )
 
 
+def timed(phase: str):
+    """train times each step's phases, rollout and update: a call of a function so decorated counts towards its phase
+    (STEP_CLOCK, a PhaseClock, below the fence)."""
+
+    def decorator(function):
+        @functools.wraps(function)
+        def timed_call(*args, **kwargs):
+            with STEP_CLOCK.timing(phase):
+                return function(*args, **kwargs)
+
+        return timed_call
+
+    return decorator
+
+
 # ============================================================================ one RL step
 
 
-def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_history, cfg: Config) -> dict:
-    """Sample G completions of each of the step's prompts, reward them, turn the rewards into advantages, update pi;
-    the step's metrics."""
-    clock = PhaseClock(model.device)  # each phase's time and peak memory, for the metrics
+class Step(NamedTuple):
+    """What one RL step made, this process's share of it: for train's metrics."""
+
+    rollout: "Rollout"
+    rewards: torch.Tensor  # (B,) 0/1
+    advantages: torch.Tensor  # (B,)
+    anchor: "LogProbs"
+    correction: torch.Tensor  # (B, T) the loss's per-token weight: 1, or rollout_correction's under --recompute_old
+    update: dict  # update_policy's metrics
+
+
+def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_history, cfg: Config) -> Step:
+    """Sample G completions of each of the step's P prompts, reward them, turn the rewards into advantages, anchor
+    the trust region, update pi."""
     indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, step)  # the step's P prompts
-    batch = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]
-    refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
-    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
+    batch, rollout = sample(sampler, tokenizer, [problems[i] for i in indices], cfg)  # G completions each, and mu
     rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
-    all_rewards = all_gathered(rewards.to(model.device)).cpu()  # every process's, in prompt order
-    advantages = step_advantages(all_rewards, indices, reward_history, cfg)
-    clock.lap("rollout")
-    anchor, correction, correction_metrics = rollout.mu, torch.ones_like(rollout.completion_mask), {}  # DPPO's
+    advantages = step_advantages(rewards, indices, reward_history, cfg)
+    anchor, correction = rollout.mu, torch.ones_like(rollout.completion_mask)  # DPPO's anchor: mu as sampled
     if cfg.recompute_old:  # the paper's ablation: the anchor becomes pi_old, and a weight corrects pi_old to mu
-        anchor, correction, correction_metrics = recompute_anchor(model, rollout, cfg)
-    update_metrics = update_policy(model, optimizer, rollout, anchor, this_process_share(advantages), correction, cfg)
-    clock.lap("update")
-    return {**step_metrics(rollout, all_rewards, advantages, clock, model, cfg), **correction_metrics, **update_metrics}
+        anchor, correction = recompute_anchor(model, rollout, cfg)
+    update = update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)
+    return Step(rollout, rewards, advantages, anchor, correction, update)
 
 
 # ============================================================================ rollout: the prompts, sampling, mu
@@ -232,8 +254,18 @@ class LogProbs(NamedTuple):
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu while generate() samples, one decoding step at a time: a logits processor sees the logits before the
-    temperature warper, so mu = softmax(logits / T) (generate_rollout sets top_k=0, top_p=1)."""
+    """Records mu = softmax(logits / tau) while generate() samples (sampling: top_k=0, top_p=1). In plain torch, with
+    generate's inputs, it computes what these lines do:
+
+        out = model.generate(**inputs, **sampling(cfg), output_logits=True, return_dict_in_generate=True)
+        log_mu = (torch.stack(out.logits, dim=1).float() / cfg.temperature).log_softmax(-1)  # (B, T, V)
+        logp_mu = log_mu.gather(-1, out.sequences[:, -len(out.logits) :, None]).squeeze(-1)  # at the sampled tokens
+        topk_logp_mu, topk_ids = log_mu.topk(cfg.topk, dim=-1)  # and the sampled token in the K-th slot if outside
+        entropy_mu = -(log_mu.exp() * log_mu).sum(-1)
+
+    without the (B, T, V) logits: it sees one step's logits at a time, before the temperature is applied and before
+    that step's token is drawn, so it records step t's token at step t + 1 (input_ids' last column), the last in
+    finish."""
 
     def __init__(self, temperature: float, k: int):
         self.temperature = temperature
@@ -298,6 +330,14 @@ class Rollout:
         return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), texts=[self.texts[i] for i in rows])
 
 
+@timed("rollout")
+def sample(sampler, tokenizer, problems: list[dict], cfg: Config) -> tuple[list[dict], Rollout]:
+    """G completions of each problem, recording mu; each completion's problem in the same order (under torchrun, this
+    process's share of the problems)."""
+    batch = [p for p in this_process_share(problems) for _ in range(cfg.samples_per_prompt)]
+    return batch, generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
+
+
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """One completion per prompt, recording mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
@@ -318,7 +358,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
 
 
 def sampling(cfg: Config) -> dict:
-    """mu = softmax(logits / T) over the whole vocabulary: every setting explicit, or a checkpoint's would change mu."""
+    """mu = softmax(logits / tau) over the whole vocabulary: every setting explicit, else a checkpoint's changes mu."""
     return dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
@@ -390,52 +430,43 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
 
 
 def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> torch.Tensor:
-    """The step's rewards, in prompt order, to advantages: GRPO's, or SAS's from each prompt's reward history."""
+    """The rewards of the step's prompts (indices) to advantages: GRPO's within each group, or SAS's from each prompt's
+    reward history (every process keeps all of it, so SAS reads every process's rewards)."""
     if cfg.advantage == "sas":
-        return sas_advantages(rewards, cfg.samples_per_prompt, indices, reward_history)
+        every_process = all_gathered(rewards)
+        return this_process_share(sas_advantages(every_process, cfg.samples_per_prompt, indices, reward_history))
     return grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards)
 
 
 # ============================================================================ update
 
 
+@timed("update")
 def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
-    """M optimizer steps on one rollout: for each mini-batch its token weights; for each of its micro-batches log pi,
-    the objective's per-token loss and backward; then one clipped AdamW step."""
+    """U optimizer steps on one rollout: for each mini-batch its token weights; for each of its micro-batches log pi,
+    the objective's per-token loss and backward; then one clipped AdamW step. Returns what it measured."""
     A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
-    stats, losses, grad_norms = TokenStats(), [], []
+    measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
     for update, minibatch in enumerate(torch.randperm(len(A)).chunk(cfg.updates_per_step)):
-        counted = rollout.completion_mask[minibatch]  # the tokens the loss is averaged over
-        if cfg.skip_zero_advantage:
-            counted = counted * (A[minibatch] != 0)
-        counts = all_reduced(token_counts(counted))  # the whole mini-batch's, over every process
+        counted = rollout.completion_mask[minibatch] * (A[minibatch] != 0 if cfg.skip_zero_advantage else 1)
+        counts = all_reduced(token_counts(counted))  # what the loss is averaged over: the whole mini-batch's
         weights = torch.zeros_like(correction)  # (B, T): each of this mini-batch's tokens' share of its loss
         weights[minibatch] = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * correction[minibatch]
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros((), dtype=torch.float64, device=model.device)  # this process's share
         for rows in minibatch.split(cfg.micro_batch_size):
             sampled = rollout.select(rows)
-            T = sampled.completion_ids.shape[1]
-            anchored = anchor.select(rows, T)  # the anchor's log-probs at these completions' tokens
+            anchored = anchor.select(rows, sampled.completion_ids.shape[1])  # the anchor at these completions' tokens
             pi = policy_logprobs(model, sampled, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
             token_loss, blocked = objective_loss(cfg, pi, anchored, A[rows], sampled.completion_mask)
-            micro_loss = (token_loss * weights[rows, :T]).sum()
-            micro_loss.backward()
-            loss += micro_loss.detach()
-            add_token_stats(stats, cfg, sampled, pi, anchored, A[rows], blocked, first=update == 0)
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item())
-        if not math.isfinite(grad_norms[-1]):  # the same on every process: the norm is over the whole model
-            model.eval()
-            raise FloatingPointError(
-                f"non-finite loss {loss.item()} or gradient norm {grad_norms[-1]} in update {update + 1} of "
-                f"{cfg.updates_per_step}"
-            )
+            loss = (token_loss * weights[rows, : token_loss.shape[1]]).sum()
+            loss.backward()
+            measured.add_micro_batch(update, loss, sampled, pi, anchored, A[rows], blocked)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        measured.add_grad_norm(update, grad_norm)  # a non-finite norm stops the run before this optimizer step
         optimizer.step()
-        losses.append(loss)
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
-    losses = all_reduced(torch.stack(losses)).tolist()  # each mini-batch's loss, every process's share added up
-    return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms), **stats.metrics()}
+    return measured.metrics()
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str, counts=None, max_new_tokens: int = 0) -> torch.Tensor:
@@ -460,106 +491,6 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([mask.sum(), (mask.sum(1) > 0).sum().to(mask.dtype)])
 
 
-@torch.no_grad()
-def recompute_anchor(model, rollout: Rollout, cfg: Config) -> tuple[LogProbs, torch.Tensor, dict]:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the rollout's tokens
-    as far as the objective reads it (zeros after each completion); the loss's per-token weight is rollout_correction's
-    on pi_old / mu. Returns pi_old, that weight, and its metrics."""
-    needs = objective_needs(cfg.objective)
-    logp = torch.zeros_like(rollout.mu.logp)
-    topk_logp = torch.zeros_like(rollout.mu.topk_logp) if needs["with_topk"] else None
-    entropy = torch.zeros_like(rollout.mu.entropy) if needs["with_entropy"] else None
-    for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
-        pi_old = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
-        T = pi_old.logp.shape[1]
-        logp[rows, :T] = pi_old.logp
-        if topk_logp is not None:
-            topk_logp[rows, :T] = pi_old.topk_logp
-        if entropy is not None:
-            entropy[rows, :T] = pi_old.entropy
-    pi_old, mu, mask = LogProbs(logp, topk_logp, entropy), rollout.mu, rollout.completion_mask
-    bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-    correction, flagged = rollout_correction(pi_old.logp, mu.logp, mask, mode=cfg.rollout_correction, **bounds)
-    real, stats = mask.bool(), TokenStats()  # the correction's weights, and how far pi_old is from mu
-    stats.add("rollout_correction/weight", correction[real])
-    stats.add("rollout_correction/flagged_frac", flagged[real].float())
-    stats.add("policy/abs_old_minus_mu", (pi_old.logp.exp() - mu.logp.exp()).abs()[real])
-    return pi_old, correction, stats.metrics()
-
-
-@torch.no_grad()
-def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
-    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
-    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
-        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
-        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
-    Returns the weight and the real tokens it truncated or zeroed."""
-    if mode not in ("tis", "token_mis", "seq_mis", "none"):
-        raise ValueError(f"rollout_correction: mode must be tis, token_mis, seq_mis or none, got {mode!r}")
-    real = mask.bool()
-    log_w = torch.where(real, logp_pi_old - logp_mu.clamp(min=LOG_EPS), 0.0)
-    w = log_w.exp()
-    if mode == "none":
-        return real.to(w.dtype), torch.zeros_like(real)
-    if mode == "token_mis":
-        kept = (w >= low) & (w <= high)
-        return torch.where(kept, w, 0.0) * real, ~kept & real
-    weight, flagged = w.clamp(max=cap), w > cap
-    if mode == "seq_mis":
-        geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
-        kept = (geometric_mean >= low) & (geometric_mean <= high)
-        weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
-    return weight * real, flagged & real
-
-
-# What the DPPO paper measures, per step, from what the objectives returned (outside the loss path). It argues that
-# PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask not: the clip objectives
-# are compared with DPPO's binary-TV mask at --delta_low/--delta_high.
-RARE_TOKEN_MU = 0.15
-
-
-@torch.no_grad()
-def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked, first: bool):
-    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
-    real, logp, logp_anchor = sampled.completion_mask.bool(), pi.logp, anchor.logp
-    blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
-    p, q = logp.exp(), sampled.mu.logp.exp()
-    rare = q < RARE_TOKEN_MU
-    stats.add("trust_region/blocked_frac", blocked[real].float())
-    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
-    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
-    stats.add("policy/rare_token_frac", rare[real].float())
-    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
-    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
-    stats.add("policy/mismatch_first_update" if first else "policy/drift_later_updates", (p - q).abs()[real])
-    if cfg.objective not in ("pg", "cispo"):  # the mask's split (pg and cispo block nothing): which side, how far
-        for sign, has_sign in (("pos", A > 0), ("neg", A < 0)):
-            for side, moved in (("rising", logp > logp_anchor), ("falling", logp < logp_anchor)):
-                stats.add(f"trust_region/blocked_frac_{sign}_adv_{side}", (blocked & has_sign & moved)[real].float())
-        stats.add("trust_region/abs_pi_minus_mu_blocked", (p - q).abs()[real & blocked])
-        stats.add("trust_region/abs_pi_minus_mu_kept", (p - q).abs()[real & ~blocked & (A != 0)])
-        stats.add("trust_region/blocked_at_branching_frac", (q < 0.5)[real & blocked].float())  # of blocked tokens
-    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
-        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
-        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocked)[real].float())
-    if cfg.objective == "erc":
-        kept = entropy_ratio_kept(pi.entropy, anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
-        stats.add("erc/kept_frac", kept[real].float())
-    elif cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
-        clipped = cispo_weight(logp, logp_anchor, cfg.clip_low, cfg.clip_high) != log_ratio(logp, logp_anchor).exp()
-        stats.add("cispo/clipped_frac", clipped[real].float())
-    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
-        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, pi, anchor)[real])
-    elif cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta; blocked: weight <= 0
-        stats.add("drpo/weight", drpo_weight(logp, logp_anchor, A, cfg.drpo_delta)[real])
-        stats.add("drpo/nonpositive_weight_frac", blocked[real].float())
-    elif cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
-        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
-        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.cppo_delta, delta_high=cfg.cppo_delta)[1]
-        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocked)[real].float())
-
-
 # ============================================================================ objectives
 # Each objective is a per-token loss l_t to minimise, from fp32 logp = log pi(a_t|s_t) (with gradient), logp_anchor =
 # the anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1) and its own thresholds (no Config). It
@@ -576,6 +507,9 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
     elif cfg.objective == "ppo_clip":
         relaxed = dict(relax=cfg.relax_clip, relax_below=cfg.relax_below)
         return ppo_clip_loss(logp, logp_anchor, A, **clip, dual_clip=cfg.dual_clip, **relaxed)
+    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        D = dppo_divergence(cfg.objective, pi, anchor)
+        return dppo_loss(logp, logp_anchor, A, D, delta_low=cfg.delta_low, delta_high=cfg.delta_high, is_cap=cfg.is_cap)
     elif cfg.objective == "dcpo":
         return dcpo_loss(logp, logp_anchor, A, **clip, r_max=cfg.dcpo_r_max, dual_clip=cfg.dual_clip)
     elif cfg.objective == "erc":
@@ -590,9 +524,6 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
     elif cfg.objective == "cppo":
         budget = dict(w_min=cfg.cppo_w_min, delta_b_min=cfg.cppo_delta_b_min, is_cap=cfg.is_cap)
         return cppo_loss(logp, logp_anchor, A, mask, delta=cfg.cppo_delta, **budget)
-    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
-        D = dppo_divergence(cfg.objective, pi, anchor)
-        return dppo_loss(logp, logp_anchor, A, D, delta_low=cfg.delta_low, delta_high=cfg.delta_high, is_cap=cfg.is_cap)
     raise ValueError(f"unknown objective {cfg.objective!r}")
 
 
@@ -642,65 +573,12 @@ def ppo_clip_loss(
     return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
 
 
-def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
-    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = mu(a_t):
-    r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
-    ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
-    ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
-    return ratio_low, ratio_high
-
-
-def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
-    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = anchor(a_t), no gradient."""
-    ratio_low, ratio_high = dcpo_bounds(logp_anchor.exp().detach(), clip_low, clip_high, r_max)
-    return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
-
-
-def erc_loss(logp, logp_anchor, advantages, entropy_pi, entropy_anchor, beta_low=0.05, beta_high=0.05, **clip):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip (clip: its clip_low, clip_high, dual_clip), no gradient
-    through rho = (H_pi + 1e-8) / (H_anchor + 1e-8):
-    l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
-    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, **clip)
-    kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
-    return torch.where(kept, loss, loss.detach()), clipped | ~kept
-
-
-def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
-    rho = (entropy_pi + 1e-8) / (entropy_anchor + 1e-8)
-    return (rho > 1 - beta_low) & (rho < 1 + beta_high)
-
-
-def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
-    l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
-    weight = cispo_weight(logp, logp_anchor, clip_low, clip_high)
-    return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
-
-
-@torch.no_grad()
-def cispo_weight(logp, logp_anchor, clip_low=1.0, clip_high=4.0):
-    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), r = pi / anchor."""
-    return log_ratio(logp, logp_anchor).exp().clamp(1 - clip_low, 1 + clip_high)
-
-
-def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
-    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
-    s_i = exp(mean_t log(pi / anchor)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
-    l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
-    real = mask.bool()
-    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)  # padding neither enters the mean nor can poison it
-    log_s = log_r.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
-    s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
-    loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
-    blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
-    return loss, blocked & real
-
-
 def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_high=0.15, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi,  r = pi / anchor,  anchor = mu.
+    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi,  r = pi / anchor (mu as sampled).
     The mask M blocks a token only when it moves *away* from the anchor past delta, never back however large D:
         M = 0  iff  (A > 0 and r > 1 and D > delta_high)  or  (A < 0 and r < 1 and D > delta_low)
-    D (no gradient) is the divergence of anchor(. | s_t) and pi(. | s_t): binary_tv, binary_kl, topk_tv or topk_kl."""
+    D (no gradient) is the divergence of anchor(. | s_t) and pi(. | s_t): binary_tv, binary_kl, topk_tv or topk_kl.
+    Returns (l, blocked), blocked = 1 - M: every objective's second value is its eq. 11 mask's complement."""
     log_r = log_ratio(logp, logp_anchor).detach()
     too_far_up = (advantages > 0) & (log_r > 0) & (divergence > delta_high)
     too_far_down = (advantages < 0) & (log_r < 0) & (divergence > delta_low)
@@ -770,6 +648,64 @@ def partition_kl(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tens
     return (logp_anchor.exp() * (logp_anchor - logp)).sum(-1)
 
 
+# -------- the neighbours: the other trust regions the DPPO paper and its sequels compare against, each
+# a ratio clip, an entropy gate, a weight clip, a sequence-level ratio, or (the sequels) DPPO's mask reshaped
+
+
+def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
+    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = mu(a_t):
+    r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
+    ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
+    ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
+    return ratio_low, ratio_high
+
+
+def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
+    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = anchor(a_t), no gradient."""
+    ratio_low, ratio_high = dcpo_bounds(logp_anchor.exp().detach(), clip_low, clip_high, r_max)
+    return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
+
+
+def erc_loss(logp, logp_anchor, advantages, entropy_pi, entropy_anchor, beta_low=0.05, beta_high=0.05, **clip):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip (clip: its clip_low, clip_high, dual_clip), no gradient
+    through rho = (H_pi + 1e-8) / (H_anchor + 1e-8):
+    l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
+    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, **clip)
+    kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
+    return torch.where(kept, loss, loss.detach()), clipped | ~kept
+
+
+def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
+    rho = (entropy_pi + 1e-8) / (entropy_anchor + 1e-8)
+    return (rho > 1 - beta_low) & (rho < 1 + beta_high)
+
+
+def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
+    l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
+    weight = cispo_weight(logp, logp_anchor, clip_low, clip_high)
+    return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
+
+
+@torch.no_grad()
+def cispo_weight(logp, logp_anchor, clip_low=1.0, clip_high=4.0):
+    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), r = pi / anchor."""
+    return log_ratio(logp, logp_anchor).exp().clamp(1 - clip_low, 1 + clip_high)
+
+
+def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
+    s_i = exp(mean_t log(pi / anchor)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
+    l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
+    real = mask.bool()
+    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)  # padding neither enters the mean nor can poison it
+    log_s = log_r.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
+    loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
+    blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
+    return loss, blocked & real
+
+
 # DPPO's sequels (the DPPO authors' group, 2026; their code: Tencent-Hunyuan/UniRL, unirl/algorithms/drpo.py, cppo.py):
 # both keep binary TV against mu as sampled and change how a token that moves away from mu is treated.
 
@@ -815,6 +751,61 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
         blocked = real & (advantages * log_r > 0) & (Z > c)
     ratio = log_ratio(logp, logp_anchor).detach().exp().clamp(max=is_cap)  # in the input's dtype
     return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
+
+
+# ============================================================================ the paper's ablation: the anchor
+# is pi_old, recomputed before the step's first update, and a weight on pi_old / mu corrects it to mu
+
+
+@timed("update")
+@torch.no_grad()
+def recompute_anchor(model, rollout: Rollout, cfg: Config) -> tuple[LogProbs, torch.Tensor]:
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the rollout's tokens
+    as far as the objective reads it (zeros after each completion); the loss's per-token weight is rollout_correction's
+    on pi_old / mu. Returns pi_old and that weight."""
+    needs = objective_needs(cfg.objective)
+    logp = torch.zeros_like(rollout.mu.logp)
+    topk_logp = torch.zeros_like(rollout.mu.topk_logp) if needs["with_topk"] else None
+    entropy = torch.zeros_like(rollout.mu.entropy) if needs["with_entropy"] else None
+    for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
+        pi_old = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
+        T = pi_old.logp.shape[1]
+        logp[rows, :T] = pi_old.logp
+        if topk_logp is not None:
+            topk_logp[rows, :T] = pi_old.topk_logp
+        if entropy is not None:
+            entropy[rows, :T] = pi_old.entropy
+    pi_old = LogProbs(logp, topk_logp, entropy)
+    bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+    correction, _ = rollout_correction(
+        pi_old.logp, rollout.mu.logp, rollout.completion_mask, cfg.rollout_correction, **bounds
+    )
+    return pi_old, correction
+
+
+@torch.no_grad()
+def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
+    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
+    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
+        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
+        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
+    Returns the weight and the real tokens it truncated or zeroed."""
+    if mode not in ("tis", "token_mis", "seq_mis", "none"):
+        raise ValueError(f"rollout_correction: mode must be tis, token_mis, seq_mis or none, got {mode!r}")
+    real = mask.bool()
+    log_w = torch.where(real, logp_pi_old - logp_mu.clamp(min=LOG_EPS), 0.0)
+    w = log_w.exp()
+    if mode == "none":
+        return real.to(w.dtype), torch.zeros_like(real)
+    if mode == "token_mis":
+        kept = (w >= low) & (w <= high)
+        return torch.where(kept, w, 0.0) * real, ~kept & real
+    weight, flagged = w.clamp(max=cap), w > cap
+    if mode == "seq_mis":
+        geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
+        kept = (geometric_mean >= low) & (geometric_mean <= high)
+        weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
+    return weight * real, flagged & real
 
 
 # ============================================================================ pi's log-probs
@@ -946,14 +937,18 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
         run.initial_accuracy = run.log(0, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
     accuracy = run.initial_accuracy
     for step in run.steps:
+        refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
+        STEP_CLOCK.restart(model.device)  # times the step's rollout and update (see timed)
         try:
-            metrics = rl_step(step, model, sampler, tokenizer, optimizer, problems, run.reward_history, cfg)
+            done = rl_step(step, model, sampler, tokenizer, optimizer, problems, run.reward_history, cfg)
         except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
+            model.eval()
             save_model(model, tokenizer, run.output_dir)
             leave_after_rank_0(
                 f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that "
                 f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1}"
             )
+        metrics = step_metrics(done, STEP_CLOCK, model, cfg)  # rewards, lengths, time, memory, and the update's
         run.log(step, metrics)
         if step % cfg.eval_every == 0 or step == run.last_step:
             accuracy = run.log(step, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
@@ -1423,9 +1418,10 @@ def all_gathered(x: torch.Tensor) -> torch.Tensor:
     """Every process's x (each the same shape), concatenated in rank order."""
     if not dist.is_initialized():
         return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x)
-    return torch.cat(parts)
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.device
+    parts = [torch.empty_like(x, device=on) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.to(on))
+    return torch.cat(parts).to(x.device)
 
 
 def all_gathered_objects(item) -> list:
@@ -1506,6 +1502,54 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
 # -------- diagnostics: what a step did, for metrics.jsonl, outside the loss path
 
 
+# What the DPPO paper measures, per step, from what the objectives returned (outside the loss path). It argues that
+# PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask not: the clip objectives
+# are compared with DPPO's binary-TV mask at --delta_low/--delta_high.
+RARE_TOKEN_MU = 0.15
+
+
+@torch.no_grad()
+def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked, first: bool):
+    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
+    real, logp, logp_anchor = sampled.completion_mask.bool(), pi.logp, anchor.logp
+    blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
+    p, q = logp.exp(), sampled.mu.logp.exp()
+    rare = q < RARE_TOKEN_MU
+    stats.add("trust_region/blocked_frac", blocked[real].float())
+    stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
+    stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
+    stats.add("policy/rare_token_frac", rare[real].float())
+    stats.add("trust_region/blocked_rare_frac", (blocked & rare)[real].float())
+    stats.add("policy/abs_pi_minus_mu", (p - q).abs()[real])
+    stats.add("policy/mismatch_first_update" if first else "policy/drift_later_updates", (p - q).abs()[real])
+    if cfg.objective not in ("pg", "cispo"):  # the mask's split (pg and cispo block nothing): which side, how far
+        for sign, has_sign in (("pos", A > 0), ("neg", A < 0)):
+            for side, moved in (("rising", logp > logp_anchor), ("falling", logp < logp_anchor)):
+                stats.add(f"trust_region/blocked_frac_{sign}_adv_{side}", (blocked & has_sign & moved)[real].float())
+        stats.add("trust_region/abs_pi_minus_mu_blocked", (p - q).abs()[real & blocked])
+        stats.add("trust_region/abs_pi_minus_mu_kept", (p - q).abs()[real & ~blocked & (A != 0)])
+        stats.add("trust_region/blocked_at_branching_frac", (q < 0.5)[real & blocked].float())  # of blocked tokens
+    if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
+        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
+        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
+        stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocked)[real].float())
+    if cfg.objective == "erc":
+        kept = entropy_ratio_kept(pi.entropy, anchor.entropy, cfg.erc_beta_low, cfg.erc_beta_high)
+        stats.add("erc/kept_frac", kept[real].float())
+    elif cfg.objective == "cispo":  # its clip moves the weight, not the token: how often it does
+        clipped = cispo_weight(logp, logp_anchor, cfg.clip_low, cfg.clip_high) != log_ratio(logp, logp_anchor).exp()
+        stats.add("cispo/clipped_frac", clipped[real].float())
+    elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
+        stats.add("trust_region/divergence", dppo_divergence(cfg.objective, pi, anchor)[real])
+    elif cfg.objective == "drpo":  # its weight on each token's gradient, 1 -+ D / delta; blocked: weight <= 0
+        stats.add("drpo/weight", drpo_weight(logp, logp_anchor, A, cfg.drpo_delta)[real])
+        stats.add("drpo/nonpositive_weight_frac", blocked[real].float())
+    elif cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
+        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
+        tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.cppo_delta, delta_high=cfg.cppo_delta)[1]
+        stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocked)[real].float())
+
+
 class TokenStats(dict):
     """name -> (sum, count, max) over a step's tokens, kept on the device; reported over every process as a share if
     "_frac" is in the name, else as _mean and _max."""
@@ -1531,8 +1575,51 @@ class TokenStats(dict):
         return reported
 
 
-def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg: Config) -> dict:
-    mask = rollout.completion_mask
+class UpdateMetrics(TokenStats):
+    """update_policy's metrics: each update's loss (this process's share, summed in float64) and gradient norm, the
+    mean over updates reported; each micro-batch's token statistics (add_token_stats)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg, self.losses, self.grad_norms = cfg, [], []
+
+    def add_micro_batch(self, update: int, loss, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked):
+        if update == len(self.losses):
+            self.losses.append(torch.zeros((), dtype=torch.float64, device=loss.device))
+        self.losses[update] += loss.detach()
+        add_token_stats(self, self.cfg, sampled, pi, anchor, A, blocked, first=update == 0)
+
+    def add_grad_norm(self, update: int, grad_norm: torch.Tensor):
+        self.grad_norms.append(grad_norm.item())
+        if not math.isfinite(self.grad_norms[-1]):  # the same on every process: the norm is over the whole model
+            raise FloatingPointError(
+                f"non-finite loss {self.losses[update].item()} or gradient norm {self.grad_norms[-1]} in update "
+                f"{update + 1} of {self.cfg.updates_per_step}"
+            )
+
+    def metrics(self) -> dict:
+        losses = all_reduced(torch.stack(self.losses)).tolist()  # each mini-batch's loss, every process's share added
+        grad_norm = sum(self.grad_norms) / len(self.grad_norms)
+        return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, **super().metrics()}
+
+
+@torch.no_grad()
+def correction_metrics(done: "Step", cfg: Config) -> dict:
+    """--recompute_old: rollout_correction's weights, the share it cut, and how far pi_old is from mu."""
+    mu, pi_old, mask = done.rollout.mu, done.anchor, done.rollout.completion_mask
+    bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+    flagged = rollout_correction(pi_old.logp, mu.logp, mask, mode=cfg.rollout_correction, **bounds)[1]
+    real, stats = mask.bool(), TokenStats()
+    stats.add("rollout_correction/weight", done.correction[real])
+    stats.add("rollout_correction/flagged_frac", flagged[real].float())
+    stats.add("policy/abs_old_minus_mu", (pi_old.logp.exp() - mu.logp.exp()).abs()[real])
+    return stats.metrics()
+
+
+def step_metrics(done: "Step", clock: dict, model, cfg: Config) -> dict:
+    """A step's metrics: its rewards, completions, times and memory peaks over every process, then update_policy's."""
+    rollout, mask = done.rollout, done.rollout.completion_mask
+    rewards, advantages = all_gathered(done.rewards), all_gathered(done.advantages)  # every process's, in prompt order
     eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
     answers = sum(extract_answer(text) is not None for text in rollout.texts)
     truncated = (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum()
@@ -1555,24 +1642,30 @@ def step_metrics(rollout: Rollout, rewards, advantages, clock: dict, model, cfg:
         "throughput/trained_tokens_per_s": tokens / update_s,
         "memory/rollout_peak_mb": peaks[0].item(),
         "memory/update_peak_mb": peaks[1].item(),
+        **(correction_metrics(done, cfg) if cfg.recompute_old else {}),
+        **done.update,
     }
 
 
 class PhaseClock(dict):
-    """phase -> (seconds, peak memory in MiB) of each phase of a step, a phase ending at its lap."""
+    """phase -> (seconds, peak memory in MiB) of a step's calls of the functions timed for that phase (see timed)."""
 
-    def __init__(self, device: torch.device):
-        super().__init__()
+    device = torch.device("cpu")  # train's restart gives it the model's
+
+    def restart(self, device: torch.device):
+        self.clear()
         self.device = device
-        self.restart()
 
-    def restart(self):
+    @contextlib.contextmanager
+    def timing(self, phase: str):
         reset_peak_memory(self.device)
-        self.started = time.time()
+        started = time.time()
+        yield
+        seconds, peak = self.get(phase, (0.0, 0.0))
+        self[phase] = (seconds + time.time() - started, max(peak, peak_memory_mb(self.device)))
 
-    def lap(self, phase: str):
-        self[phase] = (time.time() - self.started, peak_memory_mb(self.device))
-        self.restart()
+
+STEP_CLOCK = PhaseClock()
 
 
 def reset_peak_memory(device: torch.device):

@@ -190,14 +190,37 @@ def summary_table(finished, names, seeds) -> list[str]:
     return lines
 
 
+def shared_flags(flags: list[str]) -> list[str]:
+    """A run's dppo.py flags without its objective's and seed's, and --model as its file's name."""
+    shown, i = [], 0
+    while i < len(flags):
+        if flags[i] in ("--objective", "--seed", "--relax_clip", "--relax_below"):
+            i += 2
+            continue
+        shown.append(Path(flags[i]).name if i and flags[i - 1] == "--model" else flags[i])
+        i += 1
+    return shown
+
+
+def paired_verdict(gaps: list[float], n_seeds: int) -> str:
+    """The criterion fixed before the runs: a gap only if every seed's difference has the same sign."""
+    signs = {(gap > 0) - (gap < 0) for gap in gaps}
+    if not gaps:
+        return "no seed has both runs"
+    if 0 in signs or len(signs) > 1:
+        return "within the seeds' spread" if len(gaps) > 1 else "one seed, no sign"
+    if len(gaps) < n_seeds:
+        return f"one sign so far ({len(gaps)} of {n_seeds} seeds)"
+    return "a gap: one sign in every seed"
+
+
 def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]]) -> str:
     finished, absent, origin = load_records(directory, names, seeds)
-    flags = next(iter(finished.values()))[0]["flags"] if finished else []
+    flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
     eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
     lines = [
         f"Records in `{directory}`: {len(finished)} finished of {len(names) * len(seeds)} (seeds {', '.join(seeds)}); "
-        f"commit {origin['commit'][:7]}, CPU {origin['cpu']}. Flags: `{' '.join(flags)}` (`--objective` and `--seed` "
-        "per run).",
+        f"commit {origin['commit'][:7]}, CPU {origin['cpu']}. Flags: `{' '.join(flags)}`, and each run's name, seed.",
         "",
         "Greedy held-out accuracy (%) at each evaluation step: mean ± std over the finished seeds, then each seed's.",
         "",
@@ -212,27 +235,17 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
             each = " / ".join(f"{run[step]:.1f}" for run in runs.values() if step in run)
             cells.append(f"{mean_std(values)} ({each})" if values else "–")
         lines.append(f"| `{name}` | {', '.join(runs) or '–'} | " + " | ".join(cells) + " |")
+    if pairs:
+        lines += ["", "Paired differences in points, per seed (same seed, same prompt order):", ""]
+        lines += ["| pair | step | " + " | ".join(f"seed {seed}" for seed in seeds) + " | mean | verdict |"]
+        lines += ["|---" * (4 + len(seeds)) + "|"]
     for a, b in pairs:
         shared = [seed for seed in seeds if (a, seed) in finished and (b, seed) in finished]
-        lines += ["", f"`{a}` − `{b}`, paired by seed (same seed, same prompt order), in points:", ""]
-        lines += ["| step | " + " | ".join(f"seed {seed}" for seed in shared) + " | mean | verdict |"]
-        lines += ["|---" * (3 + len(shared)) + "|"]
         for step in eval_steps[1:]:
-            gaps = [accuracies(finished[a, s][1])[step] - accuracies(finished[b, s][1])[step] for s in shared]
-            signs = {(gap > 0) - (gap < 0) for gap in gaps}
-            verdict = "no finished pair"
-            if gaps:
-                verdict = (
-                    "a gap: every seed's difference has one sign"
-                    if len(signs) == 1 and 0 not in signs
-                    else ("within the seeds' spread: the signs differ" if len(gaps) > 1 else "one seed: no verdict")
-                )
-                if len(shared) < len(seeds) and len(signs) == 1 and 0 not in signs:
-                    verdict = f"one sign so far, {len(shared)} of {len(seeds)} seeds"
-            cells = [f"{gap:+.1f}" for gap in gaps]
-            lines.append(
-                f"| {step} | " + " | ".join(cells) + f" | {mean_std(gaps, '+.1f') if gaps else '–'} | {verdict} |"
-            )
+            gaps = {s: accuracies(finished[a, s][1])[step] - accuracies(finished[b, s][1])[step] for s in shared}
+            cells = [f"{gaps[s]:+.1f}" if s in gaps else "–" for s in seeds]
+            summary = f"{mean_std(list(gaps.values()), '+.1f')} | {paired_verdict(list(gaps.values()), len(seeds))}"
+            lines.append(f"| `{a}` − `{b}` | {step} | " + " | ".join(cells) + f" | {summary} |")
     columns = ["truncated first", "truncated end", "blocked", "at branching", "A<0, falling", "drift", "minutes"]
     lines += [
         "",
@@ -246,9 +259,8 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
     ]
     for name in names:
         runs = [training(finished[name, seed][1]) for seed in seeds if (name, seed) in finished]
-        cells = [
-            mean_std([run[c] for run in runs if run[c] is not None], ".4f" if c == "drift" else ".1f") for c in columns
-        ]
+        formats = {"drift": ".4f", "blocked": ".2f"}
+        cells = [mean_std([run[c] for run in runs if run[c] is not None], formats.get(c, ".1f")) for c in columns]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += summary_table(finished, names, seeds)
     if absent:
