@@ -718,7 +718,7 @@ def test_relaxed_clip_lets_rare_tokens_escape_on_its_side_only(A, r, relax, rare
     # moving back toward mu is never blocked, on any side: A > 0 with r = 0.5, A < 0 with r = 2 (< c)
     assert not dppo.ppo_clip_loss(logp_mu - math.log(r), logp_mu, advantages, relax=relax)[1].any()
     # --relax_clip and --relax_below reach their places: at 0.6 both tokens are rare
-    cfg = dppo.parse_config(["--relax_clip", relax, "--relax_below", "0.6"])
+    cfg = dppo.parse_config(["--objective", "ppo_clip", "--relax_clip", relax, "--relax_below", "0.6"])
     pi, anchor = dppo.LogProbs(logp, None, None), dppo.LogProbs(logp_mu, None, None)
     assert dppo.objective_loss(cfg, pi, anchor, advantages, torch.ones(1, 2))[1].tolist() == [[rare_blocked] * 2]
 
