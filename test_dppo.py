@@ -1611,11 +1611,13 @@ def dppo_definitions() -> dict:
 
 
 def readme_copy_lists() -> dict:
-    """The README's "Copying one objective" table: objective -> the definitions to copy, its loss first."""
+    """The README's "Copying one objective" table, two objectives a row: objective -> the definitions to copy, its loss
+    first, then log_ratio and LOG_EPS, which the table's introduction says each needs."""
     readme = (HERE / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Copying one objective") :]
-    rows = re.findall(r"^\| `?([a-z_ ]+?)`? \| ((?:`\w+`(?:, )?)+) \|$", section.split("\n- ")[0], re.M)
-    return {name: re.findall(r"`(\w+)`", copied) for name, copied in rows}
+    section = readme[readme.index("## Copying one objective") :].split("\n- ")[0]
+    cells = re.findall(r"\| `?([a-z_ ]+?)`? \| ((?:`\w+`(?:, )?)+) (?=\|)", section)
+    assert "`log_ratio`, `LOG_EPS`" in section.split("| objective |")[0]
+    return {name: re.findall(r"`(\w+)`", copied) + ["log_ratio", "LOG_EPS"] for name, copied in cells}
 
 
 @pytest.mark.parametrize("objective", [*dppo.OBJECTIVES, "aggregation"])
@@ -3908,8 +3910,8 @@ def distributed_checks(checkpoint, out):
     rollout_gaps = {cache: sharded_rollout_gaps(checkpoint, cache) for cache in GENERATION_CACHES}
     history, cfg, advantages = {}, config(advantage="sas", samples_per_prompt=4, prompts_per_step=4), []
     for visit, indices in enumerate(SAS_VISITS):
-        rewards = dppo.all_gathered(dppo.this_process_share(sas_rewards(visit)))  # as rl_step gathers them
-        advantages.append(dppo.step_advantages(rewards, indices, history, cfg))
+        rewards = dppo.this_process_share(sas_rewards(visit))  # this process's, as rl_step passes them
+        advantages.append(dppo.all_gathered(dppo.step_advantages(rewards, indices, history, cfg)))  # every process's
     if rank == 0:
         torch.save({"results": results, "sas": advantages, "rollout_gaps": rollout_gaps}, out)
     gc.collect()  # as dppo.py does at its end: the sharded models go before the process group

@@ -119,9 +119,9 @@ def training(records) -> dict:
     blocked = sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens))
 
     def share_of_blocked(key, of_blocked=True):  # of all blocked tokens, the share in that class (%)
-        if not blocked or key not in steps[0]:
+        if not blocked or not any(key in r for r in steps):  # a step that blocked nothing logs no share of the blocked
             return None
-        weight = [r[key] * (r["trust_region/blocked_frac"] if of_blocked else 1) for r in steps]
+        weight = [r.get(key, 0.0) * (r["trust_region/blocked_frac"] if of_blocked else 1) for r in steps]
         return 100 * sum(w * n for w, n in zip(weight, tokens)) / blocked
 
     return {
