@@ -109,7 +109,7 @@ def mean_std(values, fmt=".1f") -> str:
         return "–"
     if len(values) == 1:
         return f"{values[0]:{fmt}}"
-    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}}"
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt.lstrip('+')}}"  # a spread has no sign
 
 
 def training(records) -> dict:
