@@ -178,8 +178,7 @@ DEMO_DEFAULTS = dict(
 
 
 def timed(phase: str):
-    """train times each step's phases, rollout and update: a call of a function so decorated counts towards its phase
-    (STEP_CLOCK, a PhaseClock, below the fence)."""
+    """A call of the decorated function counts towards its phase of the step, in train's metrics (see STEP_CLOCK)."""
 
     def decorator(function):
         @functools.wraps(function)
@@ -332,8 +331,7 @@ class Rollout:
 
 @timed("rollout")
 def sample(sampler, tokenizer, problems: list[dict], cfg: Config) -> tuple[list[dict], Rollout]:
-    """G completions of each problem, recording mu; each completion's problem in the same order (under torchrun, this
-    process's share of the problems)."""
+    """G completions of each problem (of this process's share), recording mu; and each completion's problem."""
     batch = [p for p in this_process_share(problems) for _ in range(cfg.samples_per_prompt)]
     return batch, generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
 
@@ -346,15 +344,9 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
             model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg)
         )
     topk_ids, mu = recorder.finish(completions)
-    return Rollout(
-        prompt_ids=inputs.input_ids,
-        prompt_mask=inputs.attention_mask,
-        completion_ids=completions,
-        completion_mask=mask,
-        topk_ids=topk_ids,
-        mu=mu,
-        texts=decode(tokenizer, completions, mask),
-    )
+    prompts = dict(prompt_ids=inputs.input_ids, prompt_mask=inputs.attention_mask)
+    texts = decode(tokenizer, completions, mask)
+    return Rollout(**prompts, completion_ids=completions, completion_mask=mask, topk_ids=topk_ids, mu=mu, texts=texts)
 
 
 def sampling(cfg: Config) -> dict:
@@ -596,8 +588,7 @@ def dppo_divergence(objective: str, pi: LogProbs, anchor: LogProbs) -> torch.Ten
         return topk_tv(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
     elif objective == "topk_kl":
         return topk_kl(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
-    else:
-        raise ValueError(f"{objective!r} is not a DPPO objective")
+    raise ValueError(f"{objective!r} is not a DPPO objective")
 
 
 # DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
@@ -764,18 +755,13 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> tuple[LogProbs, to
     as far as the objective reads it (zeros after each completion); the loss's per-token weight is rollout_correction's
     on pi_old / mu. Returns pi_old and that weight."""
     needs = objective_needs(cfg.objective)
-    logp = torch.zeros_like(rollout.mu.logp)
-    topk_logp = torch.zeros_like(rollout.mu.topk_logp) if needs["with_topk"] else None
-    entropy = torch.zeros_like(rollout.mu.entropy) if needs["with_entropy"] else None
+    read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
+    pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
     for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
-        pi_old = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
-        T = pi_old.logp.shape[1]
-        logp[rows, :T] = pi_old.logp
-        if topk_logp is not None:
-            topk_logp[rows, :T] = pi_old.topk_logp
-        if entropy is not None:
-            entropy[rows, :T] = pi_old.entropy
-    pi_old = LogProbs(logp, topk_logp, entropy)
+        part = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
+        for whole, x in zip(pi_old, part):
+            if x is not None:
+                whole[rows, : x.shape[1]] = x
     bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
     correction, _ = rollout_correction(
         pi_old.logp, rollout.mu.logp, rollout.completion_mask, cfg.rollout_correction, **bounds
@@ -855,11 +841,9 @@ def logprobs_in_chunks(lm_head, hidden, targets, topk_ids, temperature, with_ent
     in_chunk = functools.partial(checkpoint, chunk_logprobs, use_reentrant=False) if recompute else chunk_logprobs
     chunks = [in_chunk(lm_head, *args, temperature, with_entropy) for args in zip(hidden, targets, topk_ids)]
     logp, topk_logp, entropy = ([chunk[i] for chunk in chunks] for i in range(3))
-    return LogProbs(
-        logp=torch.cat(logp).view(B, T),
-        topk_logp=torch.cat(topk_logp).unflatten(0, (B, T)) if topk_ids[0] is not None else None,
-        entropy=torch.cat(entropy).view(B, T) if with_entropy else None,
-    )
+    topk_logp = torch.cat(topk_logp).unflatten(0, (B, T)) if topk_ids[0] is not None else None
+    entropy = torch.cat(entropy).view(B, T) if with_entropy else None
+    return LogProbs(torch.cat(logp).view(B, T), topk_logp, entropy)
 
 
 def chunk_logprobs(lm_head, hidden, targets, topk_ids, temperature, with_entropy):
@@ -1341,8 +1325,7 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def this_process_share(items, interleaved=False):
-    """This process's 1/world of items: contiguous (a step's prompts, their advantages), or every world-th from its
-    rank on (evaluation's problems); all of them in one process."""
+    """This process's 1/world of items: contiguous (a step's prompts, advantages) or interleaved (evaluation's)."""
     rank, world = rank_and_world()
     if interleaved:
         return items[rank::world]
@@ -1576,8 +1559,7 @@ class TokenStats(dict):
 
 
 class UpdateMetrics(TokenStats):
-    """update_policy's metrics: each update's loss (this process's share, summed in float64) and gradient norm, the
-    mean over updates reported; each micro-batch's token statistics (add_token_stats)."""
+    """update_policy's: each update's loss (float64) and gradient norm, their means reported; add_token_stats'."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -1779,12 +1761,8 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
         answers = [" " + p["answer"] + tokenizer.eos_token for p in batch]
         targets = tokenizer(answers, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
         mask = targets.attention_mask
-        pairs = SimpleNamespace(
-            prompt_ids=prompts.input_ids,
-            prompt_mask=prompts.attention_mask,
-            completion_ids=targets.input_ids,
-            completion_mask=mask,
-        )
+        prompt = dict(prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask)
+        pairs = SimpleNamespace(**prompt, completion_ids=targets.input_ids, completion_mask=mask)
         logp = policy_logprobs(model, pairs, 1.0).logp
         loss = -(logp * mask).sum() / mask.sum()
         optimizer.zero_grad()
