@@ -177,18 +177,14 @@ DEMO_DEFAULTS = dict(
 )
 
 
+@contextlib.contextmanager
 def timed(phase: str):
     """A call of the decorated function counts towards its phase of the step, in train's metrics (see STEP_CLOCK)."""
-
-    def decorator(function):
-        @functools.wraps(function)
-        def timed_call(*args, **kwargs):
-            with STEP_CLOCK.timing(phase):
-                return function(*args, **kwargs)
-
-        return timed_call
-
-    return decorator
+    reset_peak_memory(STEP_CLOCK.device)
+    started = time.time()
+    yield
+    seconds, peak = STEP_CLOCK.get(phase, (0.0, 0.0))
+    STEP_CLOCK[phase] = (seconds + time.time() - started, max(peak, peak_memory_mb(STEP_CLOCK.device)))
 
 
 # ============================================================================ one RL step
@@ -291,8 +287,7 @@ class SamplingRecorder(LogitsProcessor):
         scores, log_normaliser = self.pending
         logp = scores.gather(-1, tokens[:, None]).squeeze(-1).float() / self.temperature - log_normaliser
         ids, top_logp = self.topk_ids[len(self.logp_mu)], self.topk_logp_mu[len(self.logp_mu)]
-        # The sampled token is always in the top-K set: outside mu's top K, it takes the K-th slot, and the token it
-        # evicts joins "the rest" (as DPPO's code does).
+        # Outside mu's top K, the sampled token takes the K-th slot; the token it evicts joins "the rest" (DPPO's code).
         outside = ~(ids == tokens[:, None]).any(-1)
         ids[outside, -1] = tokens[outside]
         top_logp[outside, -1] = logp[outside]
@@ -340,13 +335,10 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     """One completion per prompt, recording mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
-        inputs, completions, mask = generate(
-            model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg)
-        )
-    topk_ids, mu = recorder.finish(completions)
-    prompts = dict(prompt_ids=inputs.input_ids, prompt_mask=inputs.attention_mask)
-    texts = decode(tokenizer, completions, mask)
-    return Rollout(**prompts, completion_ids=completions, completion_mask=mask, topk_ids=topk_ids, mu=mu, texts=texts)
+        inputs, tokens, mask = generate(model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg))
+    topk_ids, mu = recorder.finish(tokens)
+    texts = decode(tokenizer, tokens, mask)
+    return Rollout(inputs.input_ids, inputs.attention_mask, tokens, mask, topk_ids, mu, texts)  # its fields' order
 
 
 def sampling(cfg: Config) -> dict:
@@ -362,8 +354,7 @@ def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
     prompt_length = inputs.input_ids.shape[1]
     if static:
         decoding |= static_cache(model, prompt_length + cfg.max_new_tokens)
-    output_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)
-    completion_ids = output_ids[:, prompt_length:]
+    completion_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)[:, prompt_length:]
     return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
 
 
@@ -486,8 +477,7 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 # ============================================================================ objectives
 # Each objective is a per-token loss l_t to minimise, from fp32 logp = log pi(a_t|s_t) (with gradient), logp_anchor =
 # the anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1) and its own thresholds (no Config). It
-# returns (l, blocked), blocked = the tokens whose gradient the trust region removed. pi comes first everywhere: in
-# every loss and divergence, and in objective_loss and dppo_divergence, which take LogProbs.
+# returns (l, blocked), blocked = the tokens whose gradient the trust region removed. pi comes first everywhere.
 
 
 def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
@@ -592,9 +582,8 @@ def dppo_divergence(objective: str, pi: LogProbs, anchor: LogProbs) -> torch.Ten
 
 
 # DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
-# distributions coarsened to {a_t, the rest} or {mu's top-K ids, the rest}. Coarsening never increases them:
-# binary <= top-K <= full vocabulary (the tests hold them to that). No gradient. The KLs are KL(anchor || pi); their
-# log-probs are keyword-only, so that a call cannot swap pi and the anchor.
+# distributions coarsened to {a_t, the rest} or {mu's top-K ids, the rest}, so binary <= top-K <= full vocabulary.
+# No gradient. The KLs are KL(anchor || pi); their log-probs are keyword-only, so pi and the anchor cannot be swapped.
 
 
 @torch.no_grad()
@@ -744,8 +733,7 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
     return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
 
 
-# ============================================================================ the paper's ablation: the anchor
-# is pi_old, recomputed before the step's first update, and a weight on pi_old / mu corrects it to mu
+# ============================================================================ the paper's ablation: pi_old as anchor
 
 
 @timed("update")
@@ -762,11 +750,8 @@ def recompute_anchor(model, rollout: Rollout, cfg: Config) -> tuple[LogProbs, to
         for whole, x in zip(pi_old, part):
             if x is not None:
                 whole[rows, : x.shape[1]] = x
-    bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-    correction, _ = rollout_correction(
-        pi_old.logp, rollout.mu.logp, rollout.completion_mask, cfg.rollout_correction, **bounds
-    )
-    return pi_old, correction
+    modes = dict(mode=cfg.rollout_correction, cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+    return pi_old, rollout_correction(pi_old.logp, rollout.mu.logp, rollout.completion_mask, **modes)[0]
 
 
 @torch.no_grad()
@@ -822,12 +807,10 @@ def policy_logprobs(model, batch, temperature, precision="fp32", with_topk=False
             use_cache=False,
             logits_to_keep=no_logits,
             output_hidden_states=True,
-        ).hidden_states[-1]  # after the final norm
+        ).hidden_states[-1][:, -T - 1 : -1]  # after the final norm, at the positions that predict a_1 .. a_T
         topk_ids = batch.topk_ids if with_topk else None
         lm_head = model.get_output_embeddings()
-        return logprobs_in_chunks(
-            lm_head, hidden[:, -T - 1 : -1], batch.completion_ids, topk_ids, temperature, with_entropy
-        )
+        return logprobs_in_chunks(lm_head, hidden, batch.completion_ids, topk_ids, temperature, with_entropy)
 
 
 def logprobs_in_chunks(lm_head, hidden, targets, topk_ids, temperature, with_entropy) -> LogProbs:
@@ -893,17 +876,15 @@ def evaluate(model, tokenizer, problems, cfg: Config) -> dict:
                 totals[1] += right.mean(1).sum()
                 totals[2] += sum(pass_at_k(k, int(correct), k) for correct in right.sum(1))
     greedy, avg, passed = (all_reduced(totals) / len(problems)).tolist()
-    if k:
-        return {"eval/accuracy": greedy, "eval/avg_at_k": avg, "eval/pass_at_k": passed}
-    return {"eval/accuracy": greedy}
+    sampled = {"eval/avg_at_k": avg, "eval/pass_at_k": passed} if k else {}
+    return {"eval/accuracy": greedy, **sampled}
 
 
 def rewards_of(model, tokenizer, problems: list[dict], cfg: Config, **decoding) -> list[float]:
     """One completion per problem, decoded as `decoding` says, and its 0/1 reward."""
     prompts = [format_prompt(tokenizer, p["question"]) for p in problems]
-    _, completion_ids, mask = generate(model, tokenizer, prompts, cfg, **decoding)
-    texts = decode(tokenizer, completion_ids, mask)
-    return [reward(text, extract_gold(p["answer"])) for text, p in zip(texts, problems)]
+    _, ids, mask = generate(model, tokenizer, prompts, cfg, **decoding)
+    return [reward(text, extract_gold(p["answer"])) for text, p in zip(decode(tokenizer, ids, mask), problems)]
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -981,9 +962,8 @@ def main(argv=None) -> dict:
 
 
 class Run(contextlib.ExitStack):
-    """The training loop's bookkeeping: its steps on a progress bar, SAS's reward history, the first accuracy (both from
-    the checkpoint when resumed); each record to metrics.jsonl and to --report_to's tracker, with the flags as its
-    config, from rank 0 alone (a tracker's package is imported only when chosen: check_config found it); Ctrl-C."""
+    """The training loop's bookkeeping: the progress bar, SAS's reward history, the first accuracy (from the checkpoint
+    when resumed); each record to metrics.jsonl and --report_to's tracker (imported if chosen), on rank 0; Ctrl-C."""
 
     def __init__(self, cfg, output_dir, first_step, last_step, reward_history, initial_accuracy, device, started):
         super().__init__()
@@ -1051,10 +1031,8 @@ def parse_config(argv=None) -> Config:
     for f in dataclasses.fields(Config):
         special = [f"{name}: {values[f.name]!r}" for name, values in other_defaults.items() if f.name in values]
         help = f"{f.metadata['help']} (default: {'; '.join([repr(f.default)] + special)})"
-        if isinstance(f.default, bool):
-            kind = dict(action="store_true")
-        else:
-            kind = dict(type=type(f.default), choices=f.metadata["choices"])
+        boolean = isinstance(f.default, bool)
+        kind = dict(action="store_true") if boolean else dict(type=type(f.default), choices=f.metadata["choices"])
         parser.add_argument(f"--{f.name}", help=help, **kind)
     given = vars(parser.parse_args(argv))  # only the flags actually typed, thanks to SUPPRESS
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
@@ -1420,9 +1398,8 @@ def all_gathered_objects(item) -> list:
 
 
 def static_cache(model, length: int) -> dict:
-    """--generation_cache static: generate's settings for a KV cache allocated once, `length` long, so that every call
-    has the same shapes (generate pads prompts to --max_prompt_tokens) and generate compiles its decoding step once; on
-    CUDA only, and not for an FSDP2 policy (its gathered weights move between rollouts)."""
+    """--generation_cache static: a KV cache allocated once, `length` long, so that every call has the same shapes
+    and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move)."""
     cache = StaticCache(model.config, max_cache_len=length)  # its values keep their own dtype, see StaticLayerOwnDtypes
     cache.layers = [StaticLayerOwnDtypes(x.max_cache_len) if type(x) is StaticLayer else x for x in cache.layers]
     return dict(past_key_values=cache, disable_compile=isinstance(model, FSDPModule))
@@ -1485,9 +1462,8 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
 # -------- diagnostics: what a step did, for metrics.jsonl, outside the loss path
 
 
-# What the DPPO paper measures, per step, from what the objectives returned (outside the loss path). It argues that
-# PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask not: the clip objectives
-# are compared with DPPO's binary-TV mask at --delta_low/--delta_high.
+# The DPPO paper argues that PPO's ratio clip falls mostly on rare tokens (mu(a_t) < RARE_TOKEN_MU), a divergence mask
+# not: the clip objectives are compared with DPPO's binary-TV mask at --delta_low/--delta_high (add_token_stats).
 RARE_TOKEN_MU = 0.15
 
 
@@ -1549,12 +1525,8 @@ class TokenStats(dict):
         maxima = all_reduced(torch.stack([self[name][2] for name in names]), dist.ReduceOp.MAX).tolist()
         reported = {}
         for name, mean, maximum, count in zip(names, (totals / counts).tolist(), maxima, counts.tolist()):
-            if count == 0:  # no token of this kind on any process this step
-                continue
-            if "_frac" in name:
-                reported[name] = mean
-            else:
-                reported |= {f"{name}_mean": mean, f"{name}_max": maximum}
+            if count > 0:  # else no token of this kind on any process this step
+                reported |= {name: mean} if "_frac" in name else {f"{name}_mean": mean, f"{name}_max": maximum}
         return reported
 
 
@@ -1638,14 +1610,6 @@ class PhaseClock(dict):
         self.clear()
         self.device = device
 
-    @contextlib.contextmanager
-    def timing(self, phase: str):
-        reset_peak_memory(self.device)
-        started = time.time()
-        yield
-        seconds, peak = self.get(phase, (0.0, 0.0))
-        self[phase] = (seconds + time.time() - started, max(peak, peak_memory_mb(self.device)))
-
 
 STEP_CLOCK = PhaseClock()
 
@@ -1691,11 +1655,8 @@ def arithmetic_problems(n_warmup=2000, n_test=500, n_train=5000, seed=1234) -> d
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
         problems.setdefault(question, {"question": question, "answer": f"{a} {op} {b} = {c}\n#### {c}"})
     problems = list(problems.values())  # one-step problems, each question once: the three sets are disjoint
-    return {
-        "warmup": problems[:n_warmup],
-        "test": problems[n_warmup : n_warmup + n_test],
-        "train": problems[n_warmup + n_test :],
-    }
+    test_end = n_warmup + n_test
+    return dict(warmup=problems[:n_warmup], test=problems[n_warmup:test_end], train=problems[test_end:])
 
 
 def train_tokenizer(corpus: list[str], vocab_size: int = 512):
@@ -1724,18 +1685,9 @@ def build_tiny_model(cache_dir: str) -> str:
     building = path.with_name(f"{path.name}.building-{os.getpid()}")
     corpus = [f"Question: {p['question']}\nAnswer: {p['answer']}" for p in sets["warmup"] + sets["train"]]
     trained = train_tokenizer(corpus)
-    config = Qwen2Config(
-        vocab_size=len(trained),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=trained.eos_token_id,
-        pad_token_id=trained.pad_token_id,
-    )
+    tokens = dict(vocab_size=len(trained), eos_token_id=trained.eos_token_id, pad_token_id=trained.pad_token_id)
+    layers = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = Qwen2Config(**tokens, hidden_size=128, intermediate_size=512, **layers, tie_word_embeddings=True)
     trained.save_pretrained(building)
     config.save_pretrained(building)
     # as users will: next to a qwen2 config, a Qwen2 tokenizer (digit by digit)
