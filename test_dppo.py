@@ -5,10 +5,9 @@ save_pretrained and loaded back by path, as a user's checkpoint would be. Each o
 and equation (grep "eq. 11"): hand-computed losses, gradients and masks, the moves back toward mu that must never be
 masked, plain-Python references of the sequels' formulas (drpo, cppo), DCPO's worked bounds and SAS by hand, the
 divergences' order (KL(mu || pi), keywords only) and binary <= top-K <= full. For every objective: thousands of extreme
-inputs stay finite, the anchor is clamped inside, the README's copy list runs alone, objective_loss passes every flag
-to its place, and the demo trains (fp32, bf16, on a GPU). Mechanisms every objective shares (micro-batches,
-evaluation, resume, the static cache, memory, processes: two processes = one) and the README's figures have theirs.
-"""
+inputs stay finite, the anchor is clamped inside, the README's copy list runs alone, objective_loss passes every flag to
+its place, and the demo trains (fp32, bf16, on a GPU). Mechanisms every objective shares (micro-batches, evaluation,
+resume, the static cache, memory, processes: two processes = one) and the README's figures have theirs."""
 
 import os
 
@@ -57,9 +56,7 @@ HERE = Path(__file__).parent
 # they are skipped. The marker is registered here, as the project's top level holds no pytest configuration file.
 if getattr(pytest.mark, "_config", None) is not None:
     pytest.mark._config.addinivalue_line("markers", "cuda: needs a CUDA GPU (python -m pytest -q -m cuda -s)")
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU: run `python -m pytest -q -m cuda -s` on one"
-)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (-m cuda)")
 
 
 # ---------------------------------------------------------------------------- rewards
@@ -203,9 +200,8 @@ def test_reward_and_extraction_take_linear_time_and_never_raise_on_random_hostil
     rng = random.Random(0)
     texts = ["", " ", "{}", "\\boxed{}", "####", *(hostile_string(rng, 100_000) for _ in range(100))]
     for text in texts:
-        assert_linear_time(
-            [lambda: extract_answer(text), lambda: reward(text, "18"), lambda: reward(text, text[:50])], text
-        )
+        calls = [lambda: extract_answer(text), lambda: reward(text, "18"), lambda: reward(text, text[:50])]
+        assert_linear_time(calls, text)
 
 
 # ---------------------------------------------------------------------------- a tiny checkpoint on disk
@@ -277,9 +273,7 @@ def teacher_forced_logp(model, rollout, temperature):
 
 def sample(policy, temperature, topk, n=6, max_new_tokens=12, generation_cache="dynamic"):
     model, tokenizer = policy
-    prompts = [
-        dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
-    ]
+    prompts = [dppo.format_prompt(tokenizer, q) for q in QUESTIONS]
     torch.manual_seed(1)
     cfg = config(temperature=temperature, topk=topk, max_new_tokens=max_new_tokens, **cache_settings(generation_cache))
     return dppo.generate_rollout(model, tokenizer, [p for p in prompts for _ in range(n // 3)], cfg)
@@ -292,6 +286,7 @@ def cache_settings(generation_cache: str) -> dict:
 
 # generate's two KV caches: grown a token at a time, or allocated once for prompts left-padded to one length
 GENERATION_CACHES = ["dynamic", "static"]
+QUESTIONS = ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]  # what sample() and two rollout tests ask
 
 
 def test_prompts_use_the_chat_template_when_there_is_one():
@@ -344,9 +339,8 @@ def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeyp
     def full():  # the plain way: every logit of every completion position at once
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)
-        ).logits
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         logp_all = torch.log_softmax(logits[:, -rollout.completion_ids.shape[1] - 1 : -1].float() / 0.8, -1)
         return (
             logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1),
@@ -389,13 +383,8 @@ def test_the_plain_lines_of_the_sampling_recorders_docstring_give_what_it_record
     cfg = config(temperature=0.8, topk=5, max_new_tokens=12, generation_cache=cache, max_prompt_tokens=64)
     prompts = [dppo.format_prompt(tokenizer, q) for q in ("There are 7 rows of 4 eggs.", "Ann has 3 pens.")] * 2
     plain = [line.strip() for line in dppo.SamplingRecorder.__doc__.splitlines() if line.startswith("        ")]
-    assert [line.split(" = ")[0] for line in plain] == [
-        "out",
-        "log_mu",
-        "logp_mu",
-        "topk_logp_mu, topk_ids",
-        "entropy_mu",
-    ]
+    names = [line.split(" = ")[0] for line in plain]
+    assert names == ["out", "log_mu", "logp_mu", "topk_logp_mu, topk_ids", "entropy_mu"]
     torch.manual_seed(0)
     recorded = dppo.generate_rollout(model, tokenizer, prompts, cfg)
     inputs = dppo.tokenize_prompts(tokenizer, prompts, model.device, length=64 if cache == "static" else 0)
@@ -421,13 +410,12 @@ def test_logits_are_recomputed_in_backward_only_when_a_pass_holds_more_than_logi
     backward (torch.utils.checkpoint), so that no more than a chunk's are held; without gradient, never twice."""
     model, _ = tiny_policy
     rollout = sample(tiny_policy, temperature=1.0, topk=4)
-    calls = []
+    calls, chunk_logprobs = [], dppo.chunk_logprobs
 
     def counted(*args):
         calls.append(1)
         return chunk_logprobs(*args)
 
-    chunk_logprobs = dppo.chunk_logprobs
     monkeypatch.setattr(dppo, "chunk_logprobs", counted)
     monkeypatch.setattr(dppo, "LOGITS_CHUNK", 4 * model.config.vocab_size)  # 4 positions a chunk
     chunks = math.ceil(rollout.completion_ids.numel() / 4)
@@ -625,12 +613,11 @@ def test_pg_gradient_is_minus_a_times_min_r_c_and_nothing_is_blocked(is_cap, gra
     has the gradient -A min(r, C); nothing is blocked."""
     A, r = torch.tensor([1.0, -1.0, 2.0, -0.5]), torch.tensor([0.2, 5.0, 30.0, 1.0])
     logp_mu = torch.full_like(r, math.log(0.01))
-    logp = (logp_mu + r.log()).requires_grad_()
-    loss, blocked = dppo.pg_loss(logp, logp_mu, A, is_cap=is_cap)
-    loss.sum().backward()
+    logp = logp_mu + r.log()
+    loss, blocked, logp_grad = grad_of(dppo.pg_loss, logp, logp_mu, A, is_cap=is_cap)
     assert not blocked.any()
-    assert torch.allclose(logp.grad, torch.tensor(grad))
-    assert torch.allclose(loss, logp.grad * logp.detach())  # l = -A * min(r, C) * log pi
+    assert torch.allclose(logp_grad, torch.tensor(grad))
+    assert torch.allclose(loss, logp_grad * logp)  # l = -A * min(r, C) * log pi
 
 
 # ------------------------------------ ppo_clip: PPO's clip, DAPO's bounds, the dual clip, the DPPO paper's relaxed clip
@@ -692,16 +679,8 @@ def test_ppo_clip_with_asymmetric_bounds_and_a_dual_clip_of_3():
 # The relaxed clip on one rare token (mu 0.05 < alpha = 0.1) and one common (mu 0.5), both moved away by r = 2 with
 # A = +1 or r = 0.5 with A = -1: the rare one escapes on the relaxed side, gradient -A * r = -2 or +0.5 (loss -2 or
 # +0.5); the common one is clipped as by ppo_clip (loss -1.28 or 0.8, no gradient). (A, r, relax) -> (rare blocked?)
-RELAXED_CASES = [
-    (+1.0, 2.0, "none", True),
-    (+1.0, 2.0, "high", False),
-    (+1.0, 2.0, "low", True),
-    (+1.0, 2.0, "both", False),
-    (-1.0, 0.5, "none", True),
-    (-1.0, 0.5, "high", True),
-    (-1.0, 0.5, "low", False),
-    (-1.0, 0.5, "both", False),
-]
+RELAXED_CASES = [(+1.0, 2.0, *case) for case in [("none", True), ("high", False), ("low", True), ("both", False)]]
+RELAXED_CASES += [(-1.0, 0.5, *case) for case in [("none", True), ("high", True), ("low", False), ("both", False)]]
 
 
 @pytest.mark.parametrize("A, r, relax, rare_blocked", RELAXED_CASES)
@@ -766,12 +745,9 @@ def test_eq_11_blocks_only_a_move_away_from_mu_past_delta_with_its_loss_and_grad
     ]
     A, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
     logp_mu = torch.full_like(r, math.log(0.4))
-    logp = (logp_mu + r.log()).requires_grad_()
-    loss, mask = dppo.dppo_loss(logp, logp_mu, A, D, delta_low=0.15, delta_high=0.15)
-    loss.sum().backward()
+    _, mask, grad = grad_of(dppo.dppo_loss, logp_mu + r.log(), logp_mu, A, D, delta_low=0.15, delta_high=0.15)
     assert torch.equal(mask, blocked)
-    # d l / d log pi = -A * r * M
-    assert torch.allclose(logp.grad, torch.tensor([0.0, -1.5, -0.5, 0.0, 0.5, 1.5, 0.0]))
+    assert torch.allclose(grad, torch.tensor([0.0, -1.5, -0.5, 0.0, 0.5, 1.5, 0.0]))  # d l / d log pi = -A * r * M
 
 
 # The exact full-vocabulary divergences, that the binary and top-K ones bound from below.
@@ -874,10 +850,7 @@ def test_binary_le_topk_le_full_vocabulary(seed):
     logp_mu, logp_pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
     q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
     ids = topk_with_sampled(logits_mu, sampled, k=4)
-    for binary, topk, full in [
-        (dppo.binary_tv, dppo.topk_tv, full_tv),
-        (dppo.binary_kl, dppo.topk_kl, full_kl),
-    ]:
+    for binary, topk, full in [(dppo.binary_tv, dppo.topk_tv, full_tv), (dppo.binary_kl, dppo.topk_kl, full_kl)]:
         b = binary(logp=p, logp_anchor=q)
         t = topk(topk_logp=logp_pi.gather(-1, ids), topk_logp_anchor=logp_mu.gather(-1, ids))
         f = full(logits_mu, logits_pi)
@@ -892,10 +865,7 @@ def test_divergences_are_exact_when_the_partition_is():
     q, p = logp_mu.gather(-1, sampled[:, None]).squeeze(-1), logp_pi.gather(-1, sampled[:, None]).squeeze(-1)
     exact = topk_with_sampled(logits_mu, sampled, k=5)  # 5 of 6 tokens: 'the rest' is the sixth token alone
     one = sampled[:, None]  # K = 1: the top-K partition is the binary one
-    for binary, topk, full in [
-        (dppo.binary_tv, dppo.topk_tv, full_tv),
-        (dppo.binary_kl, dppo.topk_kl, full_kl),
-    ]:
+    for binary, topk, full in [(dppo.binary_tv, dppo.topk_tv, full_tv), (dppo.binary_kl, dppo.topk_kl, full_kl)]:
         for ids, expected in ((exact, full(logits_mu, logits_pi)), (one, binary(logp=p, logp_anchor=q))):
             D = topk(topk_logp=logp_pi.gather(-1, ids), topk_logp_anchor=logp_mu.gather(-1, ids))
             assert torch.allclose(D, expected, atol=1e-5)
@@ -935,7 +905,6 @@ def test_dppo_asymmetric_thresholds_on_both_sides_and_a_finite_is_cap():
 # top-2 KL at 0.52: -0.019610 + 0.020458 = 0.000848, at 0.48: 0.020411 - 0.019568 = 0.000843.
 DPPO_VARIANT_P = [0.9, 0.1, 0.1, 0.9, 0.52, 0.48, 0.9]
 
-
 DPPO_VARIANT_DIVERGENCES = {
     "binary_tv": [0.4, 0.4, 0.4, 0.4, 0.02, 0.02, 0.4],
     "binary_kl": [0.510826, 0.510826, 0.510826, 0.510826, 0.000801, 0.000801, 0.510826],
@@ -962,23 +931,14 @@ def test_every_dppo_variant_blocks_only_moves_away_from_mu(objective):
     assert torch.allclose(pi.logp.grad, -A * r * ~torch.tensor(expected))
 
 
-# ------------------------------------------------------------------------------------------------- the neighbours
+# --------------------------------------------------------------- the neighbours; dcpo: DCPO's dynamic adaptive clipping
 
 
-# ---------------------------------------------------------------------------- dcpo: DCPO's dynamic adaptive clipping
+DCPO_WORKED_BOUNDS = [(0.9, 0.667, 1.249), (0.5, 0.500, 1.400), (0.1, 0.500, 2.246)]
+DCPO_WORKED_BOUNDS += [(0.01, 0.500, 5.815), (0.003, 0.500, 10.0), (0.0001, 0.500, 10.0)]
 
 
-@pytest.mark.parametrize(
-    "q, low, high",
-    [
-        (0.9, 0.667, 1.249),
-        (0.5, 0.500, 1.400),
-        (0.1, 0.500, 2.246),
-        (0.01, 0.500, 5.815),
-        (0.003, 0.500, 10.0),
-        (0.0001, 0.500, 10.0),
-    ],
-)
+@pytest.mark.parametrize("q, low, high", DCPO_WORKED_BOUNDS)
 def test_dcpo_bounds_match_the_worked_values(q, low, high):
     """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4), the roots of |r (r - 1)| q = eps: the worked values."""
     ratio_low, ratio_high = dppo.dcpo_bounds(torch.tensor(q), eps_low=0.2, eps_high=0.28, r_max=10.0)
@@ -986,8 +946,7 @@ def test_dcpo_bounds_match_the_worked_values(q, low, high):
 
 
 def test_dcpo_clips_by_token_probability():
-    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]. PPO's [0.8, 1.28] would clip the first and third tokens;
-    # DCPO does not.
+    # q = 0.1: bounds [0.5, (1 + sqrt(12.2)) / 2 = 2.24643]; PPO's [0.8, 1.28] would clip tokens 1 and 3, DCPO does not.
     """DCPO (arXiv 2509.02333, eq. 4): the same ratio is clipped for a common token and not for a rare one."""
     A, r = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]), torch.tensor([2.0, 2.5, 0.6, 0.4, 12.0])
     logp_mu = torch.full_like(r, math.log(0.1))
@@ -1033,8 +992,7 @@ def test_dcpo_bounds_and_loss_with_asymmetric_eps_and_r_max_below_the_dual_clip(
 
 
 def test_erc_masks_the_gradient_outside_the_entropy_band_but_keeps_the_token_in_the_mean():
-    """ERC (arXiv 2512.05591): outside (1 - beta_low, 1 + beta_high) the entropy ratio takes the token's gradient, not
-    its place in the mean."""
+    """ERC (arXiv 2512.05591): the band masks a token's gradient, not its place in the mean."""
     A = torch.tensor([[1.0, 1.0, 1.0]])
     logp_mu = torch.full((1, 3), math.log(0.5))
     logp = (logp_mu + torch.tensor([[0.0, 0.1, -0.1]])).requires_grad_()
@@ -1169,14 +1127,12 @@ def test_gspo_with_negative_advantages_at_its_bounds_and_on_policy():
     loss, blocked = dppo.gspo_loss(logp, logp_mu, -torch.ones(2, 1, dtype=torch.float64), torch.ones(2, 2))
     assert near(d_loss_d_logp(loss, logp), [[math.exp(0.1)] * 2, [0.0, 0.0]])
     assert blocked.tolist() == [[False, False], [True, True]] and near(loss[1], [0.9997, 0.9997])
-    # s exactly on the upper bound (eps_high = s - 1, s as the mean of the row's log ratios gives it): not blocked,
-    # the whole gradient -A * s
+    # s exactly on the upper bound (eps_high = s - 1): not blocked, the whole gradient -A * s
     logp = (logp_mu[:1] + 0.001).requires_grad_()
     s = torch.exp((logp - logp_mu[:1]).sum() / 2).item()  # e^0.001, to the last bit as gspo_loss computes it
     loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.ones(1, 1), torch.ones(1, 2), 3e-4, s - 1)
     assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-s, -s]])
-    # on policy, s = 1: gradient -A on every real token, nothing blocked
-    logp = logp_mu[:1].clone().requires_grad_()
+    logp = logp_mu[:1].clone().requires_grad_()  # on policy, s = 1: gradient -A on every real token, nothing blocked
     loss, blocked = dppo.gspo_loss(logp, logp_mu[:1], torch.full((1, 1), 0.5), torch.tensor([[1.0, 0.0]]))
     assert not blocked.any() and near(d_loss_d_logp(loss, logp), [[-0.5, 0.0]])
 
@@ -1344,8 +1300,7 @@ def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
     mu = log(0.5, 0.5, 0.5, 0.5, 0.5)[None]
     _, blocked, grad = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5))
     assert blocked.tolist() == [[False, True, False, False, False]]
-    # kept tokens: grad = -A r = -pi / mu
-    torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))
+    torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))  # kept: -A r = -pi / mu
     # the same row inside a padded batch, beside a longer completion: unchanged
     padded_pi = torch.cat([torch.cat([pi, torch.zeros(1, 3)], 1), log(*[0.9] * 8)[None]])
     padded_mu = torch.cat([torch.cat([mu, torch.zeros(1, 3)], 1), log(*[0.3] * 8)[None]])
@@ -1421,8 +1376,7 @@ def test_cppo_uses_each_completions_own_length_not_the_padded_width():
     advantages[0] = 1.0
     _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask)
     assert not blocked[0].any() and (grad[0, 3:] == 0).all()
-    g = torch.Generator().manual_seed(1)
-    extra = 34
+    g, extra = torch.Generator().manual_seed(1), 34
     wide_logp = torch.cat([logp, torch.randn(2, extra, generator=g)], 1)
     wide_anchor = torch.cat([logp_anchor, -torch.rand(2, extra, generator=g)], 1)
     wide_mask = torch.cat([mask, torch.zeros(2, extra)], 1)
@@ -1478,9 +1432,8 @@ def test_cppo_computes_its_ratio_in_the_inputs_dtype():
     """The mask is computed in fp32, the ratio in the input's dtype: float64 log-probs 1e-9 apart give the gradient
     -A * r with r = 1 + 1e-9, not the 1 that fp32 would round it to."""
     logp_anchor = torch.full((1, 3), math.log(0.5), dtype=torch.float64)
-    _, blocked, grad = grad_of(
-        dppo.cppo_loss, logp_anchor + 1e-9, logp_anchor, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 3)
-    )
+    A = torch.ones(1, 1, dtype=torch.float64)
+    _, blocked, grad = grad_of(dppo.cppo_loss, logp_anchor + 1e-9, logp_anchor, A, torch.ones(1, 3))
     assert not blocked.any() and grad.dtype == torch.float64
     torch.testing.assert_close(grad, -((logp_anchor + 1e-9) - logp_anchor).exp(), rtol=1e-15, atol=0)
 
@@ -1501,15 +1454,13 @@ def test_drpo_cppo_stay_finite_at_an_anchor_of_minus_inf_at_probabilities_0_and_
     clamped = grad_of(loss_fn, logp, logp_anchor.clamp(min=LOG_1E12), advantages)
     assert loss.isfinite().all() and grad.isfinite().all()
     assert torch.equal(loss, clamped[0]) and torch.equal(blocked, clamped[1]) and torch.equal(grad, clamped[2])
-    # every pair of edge values, both advantage signs
-    values = [0.0, -1e-8, -0.7, -200.0]
+    values = [0.0, -1e-8, -0.7, -200.0]  # every pair of edge values, both advantage signs
     pairs = [(lp, la) for lp in values for la in values + [-float("inf")]]
     logp = torch.tensor([[lp for lp, _ in pairs]] * 2)
     logp_anchor = torch.tensor([[la for _, la in pairs]] * 2)
     loss, _, grad = grad_of(loss_fn, logp, logp_anchor, torch.tensor([[1.0], [-1.0]]))
     assert loss.isfinite().all() and grad.isfinite().all()
-    # bf16 inputs, and their fp32 copies
-    logp, logp_anchor, advantages, _ = random_batch(5)
+    logp, logp_anchor, advantages, _ = random_batch(5)  # bf16 inputs, and their fp32 copies
     logp, logp_anchor = logp.clamp(max=0).bfloat16(), logp_anchor.bfloat16()
     loss, blocked, grad = grad_of(loss_fn, logp, logp_anchor, advantages)
     rounded = grad_of(loss_fn, logp.float(), logp_anchor.float(), advantages)
@@ -1531,10 +1482,9 @@ def extreme_log_probs(g: torch.Generator, shape, smallest=-math.inf) -> torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_objective_stays_finite_on_thousands_of_extreme_cases(dtype):
-    """Losses, masks and gradients stay finite for log-probs of 0 and -30, p and q of 0 or 1 (mu's recorded
-    log-probs exactly -inf), K log-probs that all say 1, zero and huge entropies, huge advantages, completions of
-    0 to T tokens (GSPO's per-completion mean), and inputs rounded through bf16, in every combination a seeded
-    generator draws."""
+    """Losses, masks and gradients stay finite for log-probs of 0 and -30, p and q of 0 or 1 (mu's recorded log-probs
+    exactly -inf), K log-probs that all say 1, zero and huge entropies, huge advantages, completions of 0 to T tokens
+    (GSPO's per-completion mean), and inputs rounded through bf16, in every combination a seeded generator draws."""
     g = torch.Generator().manual_seed(0)
     B, T, K = 64, 64, 4  # 4,096 token cases per objective and dtype
     for objective in dppo.OBJECTIVES:
@@ -1678,12 +1628,7 @@ def test_readme_snippet_topk_tv_from_sampling_to_gradient_runs_as_written():
 # 0.05 / 0.05, inf, 0.15 or 0.05. Each row is a completion of one token, so GSPO's sequence ratio s is the token's r.
 ASYMMETRIC_FLAGS = """--clip_low 0.1 --clip_high 0.3 --dual_clip 5 --dcpo_r_max 3 --erc_beta_low 0.1
     --erc_beta_high 0.02 --is_cap 2.5 --drpo_delta 0.5 --cppo_delta 0.2""".split()
-
-
-ASYMMETRIC_DELTAS = {
-    "tv": "--delta_low 0.3 --delta_high 0.1".split(),
-    "kl": "--delta_low 0.12 --delta_high 0.03".split(),
-}
+ASYMMETRIC_DELTAS = {"tv": "--delta_low 0.3 --delta_high 0.1", "kl": "--delta_low 0.12 --delta_high 0.03"}
 
 
 # objective: rows of (A, q, p, loss, d loss / d log pi, blocked).
@@ -1692,8 +1637,7 @@ DISPATCH_CASES = {
     "pg": [
         (+1.0, 0.2, 0.6, None, -2.5, False),  # r = 3: weight min(3, C) = 2.5
         (-1.0, 0.2, 0.1, None, 0.5, False),  # r = 0.5
-        # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
-        (+1.0, 0.0, 2e-12, None, -2.0, False),
+        (+1.0, 0.0, 2e-12, None, -2.0, False),  # log mu = -inf, clamped at log 1e-12: r = 2 (unclamped: inf, then C)
     ],
     "ppo_clip": [  # r kept in [0.9, 1.3]; swapped eps [0.7, 1.1], default [0.8, 1.28]
         (+1.0, 0.1, 0.12, -1.2, -1.2, False),  # r 1.2: inside (swapped eps would clip it)
@@ -1725,8 +1669,7 @@ DISPATCH_CASES = {
         (-1.0, 0.1, 0.60, 6.0, 6.0, False),  # s 6: -A * s, no dual clip (ppo_clip's c = 5 caps it at 5)
     ],
     "erc": [  # kept 0.9 < rho < 1.02
-        # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
-        (+1.0, 0.1, 0.11, -1.1, -1.1, False),
+        (+1.0, 0.1, 0.11, -1.1, -1.1, False),  # rho 0.91: inside (swapped (0.98, 1.1) or default (0.95, 1.05): outside)
         (+1.0, 0.1, 0.11, -1.1, 0.0, True),  # rho 0.89: outside
         (+1.0, 0.1, 0.11, -1.1, -1.1, False),  # rho 1.01: inside
         (+1.0, 0.1, 0.11, -1.1, 0.0, True),  # rho 1.03: outside (swapped or default: inside)
@@ -1761,15 +1704,13 @@ DISPATCH_CASES = {
         # pi (0.55, 0.18 | 0.27): (0.05 + 0.12 + 0.07) / 2 = 0.12 > 0.1 [binary 0.05]
         (+1.0, 0.5, 0.55, None, 0.0, True),
         (+1.0, 0.5, 0.55, None, -1.1, False),  # pi (0.55, 0.26 | 0.19): (0.05 + 0.04 + 0.01) / 2 = 0.05
-        # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
-        (-1.0, 0.5, 0.30, None, 0.0, True),
+        (-1.0, 0.5, 0.30, None, 0.0, True),  # pi (0.3, 0.15 | 0.55): (0.2 + 0.15 + 0.35) / 2 = 0.35 > 0.3 [binary 0.2]
         # pi (0.4, 0.2 | 0.4): (0.1 + 0.1 + 0.2) / 2 = 0.2 <= 0.3 (swapped, default: blocked)
         (-1.0, 0.5, 0.40, None, 0.8, False),
         (-1.0, 0.2, 0.60, None, 2.5, False),
     ],
     "binary_kl": [  # D = 0.2 ln(0.2/p) + 0.8 ln(0.8/(1-p))
-        # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
-        (+1.0, 0.2, 0.33, None, 0.0, True),
+        (+1.0, 0.2, 0.33, None, 0.0, True),  # -0.100155 + 0.141867 = 0.041712 > 0.03 (swapped 0.12, default 0.05: kept)
         (+1.0, 0.2, 0.25, None, -1.25, False),  # -0.044629 + 0.051631 = 0.007002 [top-2 0.072155: blocked]
         (-1.0, 0.2, 0.05, None, 0.0, True),  # 0.277259 - 0.137480 = 0.139779 > 0.12 [KL(pi || mu) 0.093943: kept]
         (-1.0, 0.2, 0.08, None, 0.4, False),  # 0.183258 - 0.111810 = 0.071449 <= 0.12 (swapped, default: blocked)
@@ -1800,7 +1741,7 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
     """objective_loss hands each flag to its objective: asymmetric settings, each swapped pair would change a row."""
     A, q, p, loss, grad, blocked = zip(*DISPATCH_CASES[objective])
     pi, anchor = objective_inputs(list(q), list(p), **DISPATCH_INPUTS.get(objective, {}))
-    deltas = ASYMMETRIC_DELTAS["kl" if objective.endswith("kl") else "tv"]
+    deltas = ASYMMETRIC_DELTAS["kl" if objective.endswith("kl") else "tv"].split()
     cfg = dppo.parse_config(["--objective", objective, *ASYMMETRIC_FLAGS, *deltas])
 
     def one_token_each(x):  # (B, 1, ...): B completions of one token
@@ -1821,13 +1762,10 @@ def test_objective_loss_passes_every_setting_to_its_place(objective):
 # -------------------------------------------------- the recompute ablation (--recompute_old) and its rollout correction
 
 
-# One completion of 4 real tokens and a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1
-# = 0.25, 1, 3, 8.
+# 4 real tokens, then a padding slot: w = pi_old / mu = 0.1/0.4, 0.3/0.3, 0.6/0.2, 0.8/0.1 = 0.25, 1, 3, 8.
 CORRECTION_PI_OLD, CORRECTION_MU = logs(0.1, 0.3, 0.6, 0.8, 0.5), logs(0.4, 0.3, 0.2, 0.1, 0.5)
 
-
 CORRECTION_MASK = torch.tensor([[1.0, 1, 1, 1, 0]], dtype=torch.float64)
-
 
 CORRECTION_CASES = [  # (mode, cap, low, high) -> weight, flagged
     (("none", 2.0, 0.5, 5.0), [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]),
@@ -2185,14 +2123,11 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
         pi = dppo.policy_logprobs(moved, rollout, 1.0).logp
         ratio = (pi - logp_pi_old).exp().detach()
         if objective == "ppo_clip":
-            blocked = ((A_t > 0) & (ratio > 1 + cfg.clip_high)) | (
-                (A_t < 0) & ((ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip))
-            )
+            up, down = ratio > 1 + cfg.clip_high, (ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip)
         else:
             D = (pi.exp() - logp_pi_old.exp()).abs().detach()
-            blocked = ((A_t > 0) & (pi > logp_pi_old) & (D > cfg.delta_high)) | (
-                (A_t < 0) & (pi < logp_pi_old) & (D > cfg.delta_low)
-            )
+            up, down = (pi > logp_pi_old) & (D > cfg.delta_high), (pi < logp_pi_old) & (D > cfg.delta_low)
+        blocked = ((A_t > 0) & up) | ((A_t < 0) & down)
         weight = torch.where(m, (pi - weight_from).exp().detach(), 0.0)
         loss = (dppo.token_weights(rollout.completion_mask, "token_mean") * -A_t * weight * ~blocked * pi).sum()
         loss.backward()
@@ -2394,9 +2329,8 @@ def demo_greedy(demo_cache) -> SimpleNamespace:
     """The demo model, 20 held-out problems, and its greedy accuracy on them computed the plain way."""
     model, tokenizer = dppo.load_policy(dppo.build_tiny_model(demo_cache), torch.device("cpu"))
     problems = dppo.arithmetic_problems()["test"][:20]
-    return SimpleNamespace(
-        model=model, tokenizer=tokenizer, problems=problems, accuracy=greedy_accuracy(model, tokenizer, problems, 16)
-    )
+    accuracy = greedy_accuracy(model, tokenizer, problems, 16)
+    return SimpleNamespace(model=model, tokenizer=tokenizer, problems=problems, accuracy=accuracy)
 
 
 def test_evaluation_accuracy_does_not_depend_on_the_batch_size(demo_greedy):
@@ -2417,8 +2351,7 @@ def test_evaluation_is_greedy_whatever_generation_settings_the_checkpoint_ships(
     generation_config.write_text(json.dumps({**json.loads(generation_config.read_text()), **settings}))
     model, tokenizer = dppo.load_policy(str(checkpoint), torch.device("cpu"))
     problems = demo_greedy.problems
-    # The penalty alone changes greedy decoding's accuracy on these problems (measured: 0.2 against 0.3), so a leaked
-    # one would show.
+    # The penalty alone changes greedy decoding's accuracy here (measured: 0.2 against 0.3), so a leaked one would show.
     assert greedy_accuracy(demo_greedy.model, tokenizer, problems, 16, repetition_penalty=1.5) != demo_greedy.accuracy
     accuracy = dppo.evaluate(model, tokenizer, problems, config(max_new_tokens=16, eval_batch_size=20))
     assert accuracy["eval/accuracy"] == demo_greedy.accuracy
@@ -2451,9 +2384,8 @@ def test_evaluation_reports_avg_and_pass_at_k_from_k_samples_a_problem(tiny_poli
 
     monkeypatch.setattr(dppo, "rewards_of", hand_made)
     results = dppo.evaluate(model, tokenizer, problems, config(eval_samples=3, eval_batch_size=4, temperature=0.7))
-    assert results == pytest.approx(
-        {"eval/accuracy": 0.5, "eval/avg_at_k": (2 / 3 + 0 + 1 / 3 + 1) / 4, "eval/pass_at_k": 0.75}
-    )
+    expected = {"eval/accuracy": 0.5, "eval/avg_at_k": (2 / 3 + 0 + 1 / 3 + 1) / 4, "eval/pass_at_k": 0.75}
+    assert results == pytest.approx(expected)
     (greedy_questions, greedy_decoding), (sampled_questions, sampling) = calls
     assert greedy_questions == [p["question"] for p in problems] and greedy_decoding == {"do_sample": False}
     assert sampled_questions == [p["question"] for p in problems for _ in range(3)]
@@ -2542,9 +2474,8 @@ def test_a_crafted_training_state_is_refused_in_one_line_without_running_its_cod
     checkpoint, ran = tmp_path / "run" / "checkpoint", tmp_path / "the crafted pickle ran"
     shutil.copytree(tiny_checkpoint, checkpoint)
     torch.save({"step": CodeOnLoad(ran), "random_states": []}, checkpoint / "training_state.pt")
-    said = one_line_exit_2(
-        ["--resume", str(tmp_path / "run"), "--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")], capsys
-    )
+    run = str(tmp_path / "run")
+    said = one_line_exit_2(["--resume", run, "--dataset", "arithmetic", "--output_dir", run], capsys)
     assert "training_state.pt holds more than tensors and plain Python values" in said
     assert not ran.exists()
 
@@ -2714,13 +2645,9 @@ def qwen25_tokenizer():
 
     vocab = {as_text(token): rank for token, rank in ranks.items()}
     vocab.update({"<|endoftext|>": QWEN_ENDOFTEXT, "<|im_start|>": QWEN_IM_START, "<|im_end|>": QWEN_IM_END})
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[(as_text(a), as_text(b)) for a, b in merges_from_ranks(ranks)],
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
+    merges = [(as_text(a), as_text(b)) for a, b in merges_from_ranks(ranks)]
+    specials = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, **specials)
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
 
@@ -2804,8 +2731,7 @@ def test_gsm8k_answers_round_trip_through_the_qwen_tokenizer_and_the_reward(qwen
 def test_generation_stops_on_either_qwen_eos_id(qwen_policy, monkeypatch):
     model, tokenizer = qwen_policy
     forced = {(0, 2): QWEN_ENDOFTEXT, (1, 4): QWEN_IM_END}  # (row, decoding step) -> the token it must emit
-    calls = []
-    real_forward = model.forward
+    calls, real_forward = [], model.forward
 
     def forward(*args, **kwargs):
         output = real_forward(*args, **kwargs)
@@ -2957,19 +2883,24 @@ def rollout_peak_memory_mib(checkpoint: str, batch: int, new_tokens: int) -> dic
     return peaks
 
 
+def in_a_fresh_process(call: str):
+    """What `test_dppo.CALL` returns, run in a fresh interpreter with MALLOC_MMAP_THRESHOLD_ set low (see
+    rollout_peak_memory_mib); skipped where peak RSS cannot be read from Linux's /proc."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("peak RSS is read from Linux's /proc")
+    probe = f"import json, test_dppo; print(json.dumps(test_dppo.{call}))"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def test_recording_mu_keeps_the_rollout_memory_of_plain_generate_not_of_kept_logits(large_vocab_checkpoint):
     """At Qwen's 151,936-token vocabulary, recording mu costs a few (B, V) temporaries of one decoding step,
     whatever T: the rollout's peak stays within a few percent of plain generate(), while keeping the
     logits (output_logits=True) grows by B x T x V floats."""
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("peak RSS is read from Linux's /proc")
     B, T = 16, 48
-    measure = f"test_dppo.rollout_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {T})"
-    probe = f"import json, test_dppo; print(json.dumps({measure}))"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    peaks = json.loads(done.stdout.splitlines()[-1])
+    peaks = in_a_fresh_process(f"rollout_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {T})")
     print(peaks)
     one_step_logits = B * QWEN_VOCAB_SIZE * 4 / 2**20  # MiB of one (B, V) fp32 tensor
     assert peaks["plain_steps"] == peaks["capture_steps"] == peaks["output_logits_steps"] == T
@@ -3011,17 +2942,9 @@ def test_training_memory_is_bounded_by_the_chunk_not_by_the_logits(large_vocab_c
     """No B x T x V tensor in a training step whose logits exceed LOGITS_KEPT (0 here, as for a large batch): at
     Qwen's vocabulary, tripling the completion length adds hardly any memory, while the fp32 logits of those tokens
     alone would add hundreds of MiB. Chunks of 2^23 positions x vocabulary entries (32 MiB)."""
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("peak RSS is read from Linux's /proc")
     B, lengths, chunk = 4, [64, 192], 2**23
-    probe = (
-        f"import json, test_dppo; print(json.dumps("
-        f"test_dppo.training_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {lengths}, {chunk}, kept=0)))"
-    )
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    peaks = {int(T): mib for T, mib in json.loads(done.stdout.splitlines()[-1]).items()}
+    call = f"training_peak_memory_mib({str(large_vocab_checkpoint)!r}, {B}, {lengths}, {chunk}, kept=0)"
+    peaks = {int(T): mib for T, mib in in_a_fresh_process(call).items()}
     print(peaks)
     logits_mib = {T: B * T * QWEN_VOCAB_SIZE * 4 / 2**20 for T in lengths}  # one fp32 copy of the logits
     chunk_mib = chunk * 4 / 2**20
@@ -3074,14 +2997,8 @@ def update_peak_mib(micro_batch: int, prompt: int, completion: int) -> float:
 def test_update_memory_bound_holds_on_a_cpu():
     """The cuda test's bound on the update's peak (update_memory_bound_mib), against a peak measured on a CPU in fp32
     at a small shape: never below it, and not 30% above it (measured 634 MiB, bound 715)."""
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("peak RSS is read from Linux's /proc")
     B, prompt, completion = 4, 32, 128
-    probe = f"import test_dppo; print(test_dppo.update_peak_mib({B}, {prompt}, {completion}))"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    measured = float(done.stdout.splitlines()[-1])
+    measured = in_a_fresh_process(f"update_peak_mib({B}, {prompt}, {completion})")
     n_params = sum(p.numel() for p in Qwen2ForCausalLM(bound_shape()).parameters())
     bound = update_memory_bound_mib(bound_shape(), n_params, B, prompt, completion, cuda_bf16=False)
     print(f"measured {measured:.0f} MiB, bound {bound:.0f} MiB")
@@ -3089,9 +3006,6 @@ def test_update_memory_bound_holds_on_a_cpu():
 
 
 # --------------------------------------------------- bench: python test_dppo.py bench (the README's "Memory and speed")
-
-
-BENCH_OBJECTIVES = dppo.OBJECTIVES
 
 
 def update_phase_runner(checkpoint: str, completions=16, new_tokens=64):
@@ -3137,7 +3051,7 @@ def objective_seconds(checkpoint: str, rounds=7) -> dict:
         update_phase, device, tokens = update_phase_runner(checkpoint)
         seconds, ratios, order = defaultdict(list), defaultdict(list), random.Random(0)
         for _ in range(rounds):
-            this_round = {o: update_phase(o) for o in order.sample(BENCH_OBJECTIVES, len(BENCH_OBJECTIVES))}
+            this_round = {o: update_phase(o) for o in order.sample(dppo.OBJECTIVES, len(dppo.OBJECTIVES))}
             for objective, t in this_round.items():
                 seconds[objective].append(t)
                 ratios[objective].append(t / this_round["ppo_clip"])
@@ -3153,12 +3067,11 @@ def objective_seconds(checkpoint: str, rounds=7) -> dict:
 
 
 def objective_peak_mib(checkpoint: str) -> dict:
-    """Each objective's update phase once, peak memory above the memory before it, in MiB: allocated tensors
-    on CUDA; on a CPU the RSS of a fresh process started with MALLOC_MMAP_THRESHOLD_ set low (see
-    rollout_peak_memory_mib)."""
+    """Each objective's update phase once, peak memory above the memory before it, in MiB: allocated tensors on CUDA; on
+    a CPU the RSS of a fresh process started with MALLOC_MMAP_THRESHOLD_ set low (see rollout_peak_memory_mib)."""
     update_phase, device, _ = update_phase_runner(checkpoint)
     peaks = {}
-    for objective in BENCH_OBJECTIVES:
+    for objective in dppo.OBJECTIVES:
         dppo.reset_peak_memory(device)
         before = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else dppo.peak_memory_mb(device)
         update_phase(objective)
@@ -3184,7 +3097,7 @@ def bench(checkpoint: str):
         "| objective | time | vs ppo_clip (min-max over rounds) | peak memory | vs ppo_clip |\n"
         "|---|---|---|---|---|"
     )
-    for objective in BENCH_OBJECTIVES:
+    for objective in dppo.OBJECTIVES:
         low, high = timing["ratio_spread"][objective]
         print(
             f"| {objective} | {timing['seconds'][objective]:.2f} s | {timing['ratio'][objective]:.3f}x "
@@ -3335,14 +3248,12 @@ def test_bad_files_and_directories_fail_in_one_line(tiny_checkpoint, tmp_path, c
     run = ["--dataset", "arithmetic", "--output_dir", str(tmp_path / "run")]
     assert "no weights there" in one_line_exit_2(["--model", str(no_weights), *run], capsys)
     assert "no config.json there" in one_line_exit_2(["--model", str(tmp_path), *run], capsys)
-    assert "--topk 100000 is more than the model's" in one_line_exit_2(
-        ["--model", str(tiny_checkpoint), "--topk", "100000", *run], capsys
-    )
+    said = one_line_exit_2(["--model", str(tiny_checkpoint), "--topk", "100000", *run], capsys)
+    assert "--topk 100000 is more than the model's" in said
     no_eos = tmp_path / "no-eos"  # neither config names an EOS id, and the tokenizer has none
     shutil.copytree(tiny_checkpoint, no_eos, ignore=shutil.ignore_patterns("generation_config.json"))
-    (no_eos / "config.json").write_text(
-        json.dumps({**json.loads((no_eos / "config.json").read_text()), "eos_token_id": None})
-    )
+    config_json = no_eos / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()), "eos_token_id": None}))
     real_from_pretrained = dppo.AutoTokenizer.from_pretrained
 
     def without_eos(*args, **kwargs):
@@ -3412,10 +3323,8 @@ def test_dataset_directories_missing_a_split_or_a_column_fail_in_one_line(tmp_pa
     (tmp_path / "jsonl").mkdir()
     (tmp_path / "jsonl" / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
     DatasetDict({"train": Dataset.from_list(rows)}).save_to_disk(tmp_path / "one-split")
-    renamed = [{"problem": p["question"], "solution": p["answer"]} for p in rows]
-    DatasetDict({"train": Dataset.from_list(renamed), "test": Dataset.from_list(renamed)}).save_to_disk(
-        tmp_path / "columns"
-    )
+    renamed = Dataset.from_list([{"problem": p["question"], "solution": p["answer"]} for p in rows])
+    DatasetDict({"train": renamed, "test": renamed}).save_to_disk(tmp_path / "columns")
     Dataset.from_list(rows).save_to_disk(tmp_path / "no-splits")  # a Dataset, not a DatasetDict
     for directory, says in (
         ("jsonl", "no test.jsonl there"),
@@ -3571,9 +3480,8 @@ def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cac
         if record.HasField("history")
     ]
     for record in logged:
-        config.update(
-            {item.key: json.loads(item.value_json) for item in [*record.run.config.update, *record.config.update]}
-        )
+        items = [*record.run.config.update, *record.config.update]
+        config.update({item.key: json.loads(item.value_json) for item in items})
     assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows] == list(by_step(records).values())
     assert [row["_step"] for row in rows] == list(by_step(records))
     assert {k: v for k, v in config.items() if k != "_wandb"} == flags
@@ -3596,15 +3504,7 @@ def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
     (tmp_path / "home" / ".cache").mkdir(parents=True)
     (tmp_path / "home" / ".cache" / "dppo").symlink_to(demo_cache)
     objectives = ["dcpo", "topk_tv"]  # two of the eight: the pipeline is the same for each
-    smoke = [
-        "bash",
-        str(HERE / "run_gsm8k.sh"),
-        "--smoke",
-        "--out",
-        str(tmp_path),
-        "--objectives",
-        " ".join(objectives),
-    ]
+    smoke = ["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--out", tmp_path, "--objectives", " ".join(objectives)]
     result = subprocess.run(smoke, capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path / "home")})
     assert result.returncode == 0, result.stderr[-2000:]
     rows = table_rows(tmp_path / "results.md", "Per run")
@@ -3798,12 +3698,8 @@ def torchrun(*args, timeout=300, while_running=None, nproc=2) -> subprocess.Comp
     named = "--objective" in map(str, args) or Path(args[0]).name != "dppo.py"
     objective = [] if named else ["--objective", "ppo_clip"]  # as cli: the tests' baseline
     command = [*torchrun, *map(str, args), *objective]
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
+    pythonpath = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, cwd=HERE)
         try:
@@ -3887,8 +3783,7 @@ def sharded_rollout_gaps(checkpoint, generation_cache: str) -> dict:
     rank, _ = dppo.rank_and_world()
     model, tokenizer = dppo.load_policy(str(checkpoint), torch.device("cpu"))
     model = dppo.shard(model)
-    questions = ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
-    prompts = [dppo.format_prompt(tokenizer, q) for q in questions]
+    prompts = [dppo.format_prompt(tokenizer, q) for q in QUESTIONS]
     torch.manual_seed(1 + rank)
     cfg = config(topk=5, max_new_tokens=12, **cache_settings(generation_cache))
     rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
@@ -3933,8 +3828,7 @@ def test_one_update_on_two_processes_equals_one_process(tiny_checkpoint, two_pro
     weights, metrics = two_process_results["results"][(objective, loss_agg)]
     expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg)
     before = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint).state_dict()
-    # the update is large enough to see
-    assert max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2
+    assert max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-2  # a visible update
     for name in expected_weights:
         assert torch.allclose(weights[name], expected_weights[name], atol=1e-5, rtol=0), name
     assert metrics["trust_region/blocked_frac"] > 0  # the trust region binds on some tokens
@@ -3992,13 +3886,9 @@ def test_two_process_demo_runs_saves_one_model_and_resumes_exactly(demo_cache, t
 SLOW_WRITE = """import runpy, sys, time
 import transformers
 save_pretrained = transformers.PreTrainedModel.save_pretrained
-
-
 def slow_save_pretrained(*args, **kwargs):  # as a large model's write takes seconds: any other process has left by then
     time.sleep(3)
     return save_pretrained(*args, **kwargs)
-
-
 transformers.PreTrainedModel.save_pretrained = slow_save_pretrained
 sys.argv = [{dppo!r}, *sys.argv[1:]]
 runpy.run_path({dppo!r}, run_name="__main__")
@@ -4010,10 +3900,8 @@ def test_a_non_finite_loss_under_torchrun_leaves_the_whole_model_rank_0_names(de
     stops there; rank 0 writes the model slowly. torchrun stops every process as soon as one exits non-zero."""
     script = tmp_path / "slow_write.py"
     script.write_text(SLOW_WRITE.format(dppo=str(HERE / "dppo.py")))
-    run = (
-        f"--cache_dir {demo_cache} --objective ppo_clip --steps 4 --learning_rate 1e30 --output_dir {tmp_path / 'run'}"
-    )
-    result = torchrun(script, *TWO_PROCESS_DEMO.split(), *run.split())
+    run = f"--cache_dir {demo_cache} --objective ppo_clip --steps 4 --learning_rate 1e30"
+    result = torchrun(script, *TWO_PROCESS_DEMO.split(), *run.split(), "--output_dir", tmp_path / "run")
     said = re.findall(
         r"dppo\.py: stopped at step 1 \(ppo_clip\): non-finite loss nan .* in update 2 of 2\. "
         r"The model before that optimizer step is in (\S+), metrics\.jsonl up to step 0",
@@ -4052,9 +3940,8 @@ def interrupted_two_process_run(demo_cache, tmp_path_factory) -> SimpleNamespace
             time.sleep(0.2)
         process.send_signal(signal.SIGINT)
 
-    result = torchrun(
-        "--shutdown_timeout", 600, HERE / "dppo.py", *flags, "--output_dir", out, while_running=ctrl_c_after_step_1
-    )
+    args = ["--shutdown_timeout", 600, HERE / "dppo.py", *flags, "--output_dir", out]
+    result = torchrun(*args, while_running=ctrl_c_after_step_1)
     return SimpleNamespace(result=result, out=out, flags=flags)
 
 
@@ -4073,9 +3960,8 @@ def test_ctrl_c_under_torchrun_finishes_the_step_on_both_processes_and_saves_one
     assert state["step"] == last and len(state["random_states"]) == 2
     # One message from rank 0 for the whole run, with the command to continue; no traceback from a worker.
     said = [line for line in result.stderr.splitlines() if "dppo.py: interrupted" in line]
-    assert said == [f"dppo.py: interrupted after step {last}; continue with the same flags and --resume {out}"], (
-        result.stderr[-3000:]
-    )
+    expected = f"dppo.py: interrupted after step {last}; continue with the same flags and --resume {out}"
+    assert said == [expected], result.stderr[-3000:]
     assert result.stderr.count("Ctrl-C: stopping after this step") == 1
     assert "KeyboardInterrupt" not in result.stderr and result.returncode != 0
 
@@ -4147,9 +4033,7 @@ def test_bf16_mu_is_what_a_bf16_teacher_forced_pass_sees_and_losses_stay_fp32(ti
     """--precision bf16 on a CPU: generate and the training pass run under bf16 autocast; mu, log pi, the ratio and
     the loss are fp32 tensors computed from bf16 logits, and agree to bf16's rounding, not to fp32's."""
     model, tokenizer = tiny_policy
-    prompts = [
-        dppo.format_prompt(tokenizer, q) for q in ["Ann has 3 pens.", "How many?", "There are 7 rows of 4 eggs."]
-    ]
+    prompts = [dppo.format_prompt(tokenizer, q) for q in QUESTIONS]
     cfg = config(precision="bf16", topk=5, max_new_tokens=12, **cache_settings(generation_cache))
     torch.manual_seed(1)
     rollout = dppo.generate_rollout(model, tokenizer, prompts * 2, cfg)
@@ -4166,9 +4050,8 @@ def test_bf16_mu_is_what_a_bf16_teacher_forced_pass_sees_and_losses_stay_fp32(ti
     assert bf16_gap < 0.2 * fp32_gap, (bf16_gap, fp32_gap)
     advantages = torch.randn(len(prompts) * 2, 1, generator=torch.Generator().manual_seed(0))
     for objective in dppo.OBJECTIVES:
-        loss, blocked = dppo.objective_loss(
-            config(objective=objective), bf16, rollout.mu, advantages, rollout.completion_mask
-        )
+        cfg = config(objective=objective)
+        loss, _ = dppo.objective_loss(cfg, bf16, rollout.mu, advantages, rollout.completion_mask)
         assert loss.dtype == torch.float32 and torch.isfinite(loss).all(), objective
 
 
@@ -4206,8 +4089,7 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
     never holds a whole fp32 copy: 12 layers of 3.2M parameters (155 MiB), no tensor above 3 MiB."""
     shape = dict(vocab_size=1000, hidden_size=512, intermediate_size=1408, num_hidden_layers=12)
     checkpoint = write_tiny_checkpoint(tmp_path / "model", num_attention_heads=8, num_key_value_heads=2, **shape)
-    out = tmp_path / "results.pt"
-    script = tmp_path / "checks.py"
+    out, script = tmp_path / "results.pt", tmp_path / "checks.py"
     script.write_text(f"import test_dppo\ntest_dppo.sharded_load_checks({str(checkpoint)!r}, {str(out)!r})\n")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors go back to the system: RSS follows live ones
     result = torchrun(script)
@@ -4217,8 +4099,7 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
     fp32_mib = sum(p.numel() for p in whole.parameters()) * 4 / 2**20
     assert set(results["weights"]) == set(whole.state_dict())
     assert all(torch.equal(results["weights"][k], v) for k, v in whole.state_dict().items())
-    # inv_freq is not in a state dict
-    assert all(torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers())
+    assert all(torch.equal(results["buffers"][k], v) for k, v in whole.named_buffers())  # inv_freq: not in a state dict
     cast = dppo.make_sampler(whole, "bfloat16")
     for process in results["processes"]:
         assert process["eos"] == whole.generation_config.eos_token_id
@@ -4261,9 +4142,8 @@ def bisect(f, low, high, iterations=80):  # where the increasing f crosses 0 bet
 
 def test_the_drawn_trust_regions_end_where_the_papers_closed_forms_do():
     """The furthest pi(a_t) that keeps its gradient, found by bisection on objective_loss and autograd, against the
-    closed forms: PPO's pi/mu = 1 - eps_low, 1 + eps_high (eq. 7; DAPO eq. 8); binary TV's |pi - mu| = delta
-    (DPPO eqs. 11-13); binary KL's KL = delta (eq. 14); DCPO's roots of |r (r - 1)| q = eps (arXiv 2509.02333,
-    eq. 4)."""
+    closed forms: PPO's pi/mu = 1 - eps_low, 1 + eps_high (eq. 7; DAPO eq. 8); binary TV's |pi - mu| = delta (DPPO eqs.
+    11-13); binary KL's KL = delta (eq. 14); DCPO's roots of |r (r - 1)| q = eps (arXiv 2509.02333, eq. 4)."""
     figs, mu = figures(), REACH_MU
     one, zero = torch.ones_like(mu), torch.zeros_like(mu)
     dcpo_low = 0.5 + 0.5 * (1 - 4 * 0.2 / mu).clamp(min=0).sqrt()
@@ -4368,12 +4248,8 @@ def test_token_classes_on_hand_made_completions(tiny_policy):
     """What a blocked token is (figures/what_dppo_changes.py --only blocked), on known pieces: an EOS id; the final
     answer's last occurrence; only digits, operators and spaces; a letter; anything else (a space, newline, ####)."""
     tokenizer, eos = tiny_policy[1], tiny_policy[1].eos_token_id
-    pieces = [
-        ("Ann has", "words"),
-        (" 6 * 7 = 42", "digits and operators"),
-        ("\n####", "other"),
-        ("42", "final answer"),
-    ]
+    pieces = [("Ann has", "words"), (" 6 * 7 = 42", "digits and operators")]
+    pieces += [("\n####", "other"), ("42", "final answer")]
     ids = [tokenizer(text, add_special_tokens=False).input_ids for text, _ in pieces]
     expected = [kind if tokenizer.decode([t]).strip() else "other" for (_, kind), i in zip(pieces, ids) for t in i]
     assert figures().token_classes(tokenizer, [*sum(ids, []), eos], {eos}) == [*expected, "end of sequence"]
@@ -4437,9 +4313,8 @@ def test_cuda_torchrun_one_process_with_nccl_and_fsdp2_mixed_precision(demo_cach
         assert result.returncode == 0, result.stderr[-3000:]
         steps = step_records(tmp_path / precision)
         assert len(steps) == 2 and all(math.isfinite(value) for record in steps for value in record.values())
-    # FSDP2's bf16 policy ran: its numbers are not fp32's
     auto, fp32 = (step_records(tmp_path / precision)[0]["policy/entropy_mu"] for precision in ("auto", "fp32"))
-    assert auto != fp32
+    assert auto != fp32  # FSDP2's bf16 policy ran: its numbers are not fp32's
 
 
 @pytest.mark.cuda
