@@ -9,12 +9,12 @@ the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objec
 Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi is the policy being trained;
 the *anchor* is what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's
 first update (--recompute_old, the paper's ablation); M is eq. 11's mask; tau the temperature, T a completion's length,
-U the updates per rollout. The algorithm in this file's names, in the order they run:
+U the updates per rollout, K the size of mu's recorded top K. The algorithm in this file's names, in the order they run:
 
     for step in 1 .. steps:                                                        train, rl_step
         sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample, SamplingRecorder
         reward 1/0 for the right final answer                                       rewards.py
-        advantages per group of G completions                                       grpo_advantages | sas_advantages
+        advantages per group of G completions                                       step_advantages (GRPO | SAS)
         the anchor is mu as sampled; [--recompute_old] pi_old, with a correction    recompute_anchor
         U mini-batches, one AdamW step each, on                                     update_policy
           sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
