@@ -1921,7 +1921,7 @@ def update(model, optimizer, rollout, advantages, cfg, old_model=None) -> dict:
 
 
 def gradient(model, rollout, advantages, cfg, old_model=None) -> tuple[torch.Tensor, dict]:
-    """The gradient of one mini-batch holding the whole rollout (M = 1, no clipping, lr 0), and the update's metrics."""
+    """The gradient of one mini-batch holding the whole rollout (U = 1, no clipping, lr 0), and the update's metrics."""
     cfg = dataclasses.replace(cfg, updates_per_step=1, max_grad_norm=math.inf)
     metrics = update(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages, cfg, old_model)
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -2005,7 +2005,7 @@ def test_first_update_mismatch_is_near_zero_with_an_fp32_sampler_and_not_with_bf
     frozen = torch.optim.AdamW(model.parameters(), lr=0.0)  # measure only: the shared fixture must not move
     metrics = update(model, frozen, rollout, advantages, config(updates_per_step=1, micro_batch_size=6))
     assert low <= metrics["policy/mismatch_first_update_mean"] <= high
-    assert "policy/drift_later_updates_mean" not in metrics  # M = 1: there is no later update
+    assert "policy/drift_later_updates_mean" not in metrics  # U = 1: there is no later update
 
 
 def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
@@ -2275,7 +2275,7 @@ def test_a_micro_batch_size_need_not_divide_the_mini_batch(demo_cache, tmp_path,
 
     monkeypatch.setattr(dppo, "policy_logprobs", recording)
     cli(f"--cache_dir {demo_cache} --steps 1 --eval_n 10 --micro_batch_size 48", tmp_path)
-    assert sizes == [48, 48, 32] * 2  # two updates (the demo's M = 2) of one step
+    assert sizes == [48, 48, 32] * 2  # two updates (the demo's U = 2) of one step
     assert math.isfinite(step_records(tmp_path)[0]["loss"])
 
 
@@ -4333,7 +4333,7 @@ def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_thro
         f"\n{torch.cuda.get_device_name()}, Qwen2.5-0.5B shape, P=32 G=8, {step['completion/length_mean']:.0f} new "
         f"tokens per completion: rollout {step['time/rollout_s']:.1f} s, "
         f"{step['throughput/generated_tokens_per_s']:.0f} tokens/s, peak {rollout_mb / 1024:.1f} GiB; "
-        f"update (M=4) {step['time/update_s']:.1f} s, {step['throughput/trained_tokens_per_s']:.0f} tokens/s, "
+        f"update (U=4) {step['time/update_s']:.1f} s, {step['throughput/trained_tokens_per_s']:.0f} tokens/s, "
         f"peak {update_mb / 1024:.1f} GiB"
     )
     n_params = sum(p.numel() for p in Qwen2ForCausalLM.from_pretrained(checkpoint).parameters())
