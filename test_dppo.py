@@ -732,9 +732,8 @@ def test_relaxed_clip_matches_stable_rls_rule_on_a_grid():
 
 
 def test_eq_11_blocks_only_a_move_away_from_mu_past_delta_with_its_loss_and_gradient_by_rows():
-    # (A, r, D, blocked): delta_low = delta_high = 0.15 here; q = 0.4 for every token
     """DPPO's mask (arXiv 2602.04879, eq. 11), loss (eq. 12), gradient, by rows: blocked only moving away past delta."""
-    rows = [
+    rows = [  # (A, r, D, blocked); delta_low = delta_high = 0.15, mu(a_t) = 0.4 in every row
         (+1.0, 1.5, 0.16, True),  # A > 0, p rises past the threshold: blocked
         (+1.0, 1.5, 0.15, False),  # D exactly at delta: not blocked (M = 0 only if D > delta)
         (+1.0, 0.5, 99.0, False),  # A > 0, p falls: moving back toward mu, never blocked
@@ -745,9 +744,11 @@ def test_eq_11_blocks_only_a_move_away_from_mu_past_delta_with_its_loss_and_grad
     ]
     A, r, D, blocked = (torch.tensor(column) for column in zip(*rows))
     logp_mu = torch.full_like(r, math.log(0.4))
-    _, mask, grad = grad_of(dppo.dppo_loss, logp_mu + r.log(), logp_mu, A, D, delta_low=0.15, delta_high=0.15)
+    loss, mask, grad = grad_of(dppo.dppo_loss, logp_mu + r.log(), logp_mu, A, D, delta_low=0.15, delta_high=0.15)
     assert torch.equal(mask, blocked)
-    assert torch.allclose(grad, torch.tensor([0.0, -1.5, -0.5, 0.0, 0.5, 1.5, 0.0]))  # d l / d log pi = -A * r * M
+    A_r_M = torch.tensor([0, 1.5, 0.5, 0, -0.5, -1.5, 0])  # A * r * M by rows: M = 0 where blocked
+    assert torch.allclose(loss, -A_r_M * (0.4 * r).log())  # l = -A * sg(r) * M * log pi, pi(a_t) = 0.4 r
+    assert torch.allclose(grad, -A_r_M)  # d l / d log pi = -A * r * M
 
 
 # The exact full-vocabulary divergences, that the binary and top-K ones bound from below.
