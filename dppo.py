@@ -337,8 +337,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     with full_weights(model), autocast(model, cfg.precision):
         inputs, tokens, mask = generate(model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg))
     topk_ids, mu = recorder.finish(tokens)
-    texts = decode(tokenizer, tokens, mask)
-    return Rollout(inputs.input_ids, inputs.attention_mask, tokens, mask, topk_ids, mu, texts)  # its fields' order
+    sampled = dict(completion_ids=tokens, completion_mask=mask, texts=decode(tokenizer, tokens, mask))
+    return Rollout(prompt_ids=inputs.input_ids, prompt_mask=inputs.attention_mask, topk_ids=topk_ids, mu=mu, **sampled)
 
 
 def sampling(cfg: Config) -> dict:
