@@ -73,6 +73,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 from transformers import PreTrainedTokenizerFast, Qwen2Config, StaticCache
 from transformers.cache_utils import StaticLayer
+from transformers.generation.utils import ALL_CACHE_NAMES
 
 from rewards import extract_answer, extract_gold, reward
 
@@ -210,7 +211,7 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_hi
     advantages = step_advantages(rewards, indices, reward_history, cfg)
     anchor, correction = rollout.mu, torch.ones_like(rollout.completion_mask)  # DPPO's anchor: mu as sampled
     if cfg.recompute_old:  # the paper's ablation: the anchor becomes pi_old, and a weight corrects pi_old to mu
-        anchor, correction = recompute_anchor(model, rollout, cfg)
+        anchor, correction = recompute_anchor(model, rollout, advantages, cfg)
     update = update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)
     return Step(rollout, rewards, advantages, anchor, correction, update)
 
@@ -437,7 +438,9 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
         weights = torch.zeros_like(correction)  # (B, T): each of this mini-batch's tokens' share of its loss
         weights[minibatch] = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * correction[minibatch]
         optimizer.zero_grad(set_to_none=True)
-        for rows in minibatch.split(cfg.micro_batch_size):
+        micro_batches, left_out = rows_that_move_pi(minibatch, A[:, 0], cfg.micro_batch_size)
+        measured.add_left_out(rollout, left_out)
+        for rows in micro_batches:
             sampled = rollout.select(rows)
             anchored = anchor.select(rows, sampled.completion_ids.shape[1])  # the anchor at these completions' tokens
             pi = policy_logprobs(model, sampled, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
@@ -450,6 +453,19 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
         optimizer.step()
     model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
     return measured.metrics()
+
+
+def rows_that_move_pi(rows: torch.Tensor, A: torch.Tensor, micro_batch_size: int) -> tuple[tuple, torch.Tensor]:
+    """The micro-batches of `rows` to compute, those with A != 0 (every objective's loss is a multiple of A or |A|: a
+    row with A = 0 adds exactly 0 to the gradient), and the rows left out. Every process runs as many micro-batches as
+    the busiest, at least one: FSDP2 gathers weights in every process's forward, and AdamW must see a gradient, zeros
+    if need be. A process short of rows with A != 0 fills its micro-batches with rows with A = 0."""
+    nonzero = (A[rows] != 0).to(rows.device)
+    moving, still = rows[nonzero], rows[~nonzero]
+    micro_batches = [moving[i : i + micro_batch_size] for i in range(0, len(moving), micro_batch_size)]
+    n = max(int(all_reduced(torch.tensor(len(micro_batches), device=A.device), dist.ReduceOp.MAX)), 1)
+    filled = n - len(micro_batches)
+    return micro_batches + [still[i : i + 1] for i in range(filled)], still[filled:]
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str, counts=None, max_new_tokens: int = 0) -> torch.Tensor:
@@ -738,20 +754,22 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
 
 @timed("update")
 @torch.no_grad()
-def recompute_anchor(model, rollout: Rollout, cfg: Config) -> tuple[LogProbs, torch.Tensor]:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the rollout's tokens
-    as far as the objective reads it (zeros after each completion); the loss's per-token weight is rollout_correction's
-    on pi_old / mu. Returns pi_old and that weight."""
+def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config) -> tuple[LogProbs, torch.Tensor]:
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the tokens of the
+    completions with A != 0 as far as the objective reads it (zeros elsewhere: no other token has a gradient); the
+    loss's per-token weight is rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old and that weight."""
     needs = objective_needs(cfg.objective)
     read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
     pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
-    for rows in torch.arange(len(rollout.texts)).split(cfg.micro_batch_size):
+    A = advantages.to(model.device)
+    for rows in rows_that_move_pi(torch.arange(len(A)), A, cfg.micro_batch_size)[0]:
         part = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
         for whole, x in zip(pi_old, part):
             if x is not None:
                 whole[rows, : x.shape[1]] = x
     modes = dict(mode=cfg.rollout_correction, cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-    return pi_old, rollout_correction(pi_old.logp, rollout.mu.logp, rollout.completion_mask, **modes)[0]
+    moving = rollout.completion_mask * (A != 0)[:, None]
+    return pi_old, rollout_correction(pi_old.logp, rollout.mu.logp, moving, **modes)[0]
 
 
 @torch.no_grad()
@@ -861,30 +879,33 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 
 
 def evaluate(model, tokenizer, problems, cfg: Config) -> dict:
-    """Greedy held-out accuracy; with --eval_samples k also avg@k, the mean accuracy of k samples a problem at the
-    sampling temperature (the DPPO and CPPO papers' avg@16), and pass@k."""
+    """Greedy held-out accuracy and the share of greedy answers cut at --max_new_tokens; with --eval_samples k also
+    avg@k, the mean accuracy of k samples a problem at the sampling temperature (DPPO's, CPPO's avg@16), and pass@k."""
     mine, k = this_process_share(problems, interleaved=True), cfg.eval_samples
-    totals = torch.zeros(3, dtype=torch.float64, device=model.device)  # greedy, avg@k, pass@k: added up
+    totals = torch.zeros(4, dtype=torch.float64, device=model.device)  # greedy, avg@k, pass@k, cut short: added up
     own_random_stream = torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device])
     with full_weights(model), autocast(model, cfg.precision), own_random_stream:  # training samples as without it
         for start in range(0, len(mine), cfg.eval_batch_size):
             batch = mine[start : start + cfg.eval_batch_size]
-            totals[0] += sum(rewards_of(model, tokenizer, batch, cfg, do_sample=False))
+            right, cut_short = rewards_of(model, tokenizer, batch, cfg, do_sample=False)
+            totals[0::3] += torch.tensor([sum(right), sum(cut_short)], dtype=totals.dtype, device=totals.device)
             if k:
                 samples = [problem for problem in batch for _ in range(k)]
-                right = torch.tensor(rewards_of(model, tokenizer, samples, cfg, **sampling(cfg))).view(-1, k)
+                right = torch.tensor(rewards_of(model, tokenizer, samples, cfg, **sampling(cfg))[0]).view(-1, k)
                 totals[1] += right.mean(1).sum()
                 totals[2] += sum(pass_at_k(k, int(correct), k) for correct in right.sum(1))
-    greedy, avg, passed = (all_reduced(totals) / len(problems)).tolist()
+    greedy, avg, passed, cut_short = (all_reduced(totals) / len(problems)).tolist()
     sampled = {"eval/avg_at_k": avg, "eval/pass_at_k": passed} if k else {}
-    return {"eval/accuracy": greedy, **sampled}
+    return {"eval/accuracy": greedy, **sampled, "eval/truncated": cut_short}
 
 
-def rewards_of(model, tokenizer, problems: list[dict], cfg: Config, **decoding) -> list[float]:
-    """One completion per problem, decoded as `decoding` says, and its 0/1 reward."""
+def rewards_of(model, tokenizer, problems: list[dict], cfg: Config, **decoding) -> tuple[list[float], list[bool]]:
+    """One completion per problem, decoded as `decoding` says: its 0/1 reward, and whether it ended without EOS."""
     prompts = [format_prompt(tokenizer, p["question"]) for p in problems]
     _, ids, mask = generate(model, tokenizer, prompts, cfg, **decoding)
-    return [reward(text, extract_gold(p["answer"])) for text, p in zip(decode(tokenizer, ids, mask), problems)]
+    cut_short = ~torch.isin(ids, torch.tensor(model.generation_config.eos_token_id, device=ids.device)).any(1)
+    texts = decode(tokenizer, ids, mask)
+    return [reward(text, extract_gold(p["answer"])) for text, p in zip(texts, problems)], cut_short.tolist()
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -985,7 +1006,9 @@ class Run(contextlib.ExitStack):
             self.writer.add_text("config", json.dumps(dataclasses.asdict(cfg)))
         elif self.tracker in ("wandb", "trackio"):  # trackio takes wandb's calls
             tracker = importlib.import_module(self.tracker)
-            self.writer = tracker.init(project="dppo", name=output_dir.name, config=dataclasses.asdict(cfg))
+            model = Path(cfg.model).name.removesuffix(".gguf") if cfg.model else "demo"  # a study's runs: one group
+            name, group = f"{model}-{cfg.objective}-seed{cfg.seed}", output_dir.resolve().parent.name
+            self.writer = tracker.init(project="dppo", name=name, group=group, config=dataclasses.asdict(cfg))
             self.callback(self.writer.finish)
         self.ctrl_c = []  # not empty once Ctrl-C was pressed
         self.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, self.on_ctrl_c))
@@ -1045,7 +1068,9 @@ def parse_config(argv=None) -> Config:
 
 def check_config(cfg: Config):
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
-        at_least_0 = name in "epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens".split()
+        at_least_0 = (
+            name in "steps epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens".split()
+        )
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
@@ -1252,9 +1277,18 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     return model, tokenizer
 
 
+# /proc/cpuinfo's names for the instructions that compute a dtype natively (x86's, then Arm's)
+CPU_FLAGS = {"bfloat16": {"avx512_bf16", "amx_bf16", "bf16"}, "float16": {"avx512_fp16", "amx_fp16", "asimdhp"}}
+
+
 def make_sampler(model, sampler_dtype: str):
     if sampler_dtype == "policy":
         return model
+    cpuinfo = Path("/proc/cpuinfo")  # Linux's; elsewhere nothing is said
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else {"unknown"}
+    if model.device.type == "cpu" and not flags & CPU_FLAGS.get(sampler_dtype, flags) and rank_and_world()[0] == 0:
+        why = "torch emulates them: sampling takes several times as long as with --sampler_dtype float32"
+        print(f"dppo.py: this CPU has no {sampler_dtype} instructions; {why}", file=sys.stderr)
     return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
 
 
@@ -1402,7 +1436,8 @@ def static_cache(model, length: int) -> dict:
     and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move)."""
     cache = StaticCache(model.config, max_cache_len=length)  # its values keep their own dtype, see StaticLayerOwnDtypes
     cache.layers = [StaticLayerOwnDtypes(x.max_cache_len) if type(x) is StaticLayer else x for x in cache.layers]
-    return dict(past_key_values=cache, disable_compile=isinstance(model, FSDPModule))
+    cache_name = "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"  # generate()'s name for it, as installed
+    return {cache_name: cache, "disable_compile": isinstance(model, FSDPModule)}
 
 
 class StaticLayerOwnDtypes(StaticLayer):
@@ -1535,13 +1570,20 @@ class UpdateMetrics(TokenStats):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg, self.losses, self.grad_norms = cfg, [], []
+        self.cfg, self.losses, self.grad_norms, self.kept_tokens_left_out = cfg, [], [], 0
 
     def add_micro_batch(self, update: int, loss, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked):
         if update == len(self.losses):
             self.losses.append(torch.zeros((), dtype=torch.float64, device=loss.device))
         self.losses[update] += loss.detach()
         add_token_stats(self, self.cfg, sampled, pi, anchor, A, blocked, first=update == 0)
+
+    def add_left_out(self, rollout: Rollout, rows: torch.Tensor):
+        """Completions with A = 0 that update_policy does not compute: none of their tokens is blocked, so every blocked
+        share counts them as kept; what needs only mu is exact; what needs pi is over the computed completions."""
+        real = rollout.completion_mask[rows].bool()
+        self.add("policy/rare_token_frac", (rollout.mu.logp[rows].exp() < RARE_TOKEN_MU)[real].float())
+        self.kept_tokens_left_out += int(real.sum())
 
     def add_grad_norm(self, update: int, grad_norm: torch.Tensor):
         self.grad_norms.append(grad_norm.item())
@@ -1554,13 +1596,18 @@ class UpdateMetrics(TokenStats):
     def metrics(self) -> dict:
         losses = all_reduced(torch.stack(self.losses)).tolist()  # each mini-batch's loss, every process's share added
         grad_norm = sum(self.grad_norms) / len(self.grad_norms)
+        for name, (total, count, largest) in self.items():
+            if "blocked" in name and "_frac" in name and "branching" not in name or "nonpositive" in name:
+                self[name] = (total, count + self.kept_tokens_left_out, largest)  # of every token, see add_left_out
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, **super().metrics()}
 
 
 @torch.no_grad()
 def correction_metrics(done: "Step", cfg: Config) -> dict:
-    """--recompute_old: rollout_correction's weights, the share it cut, and how far pi_old is from mu."""
-    mu, pi_old, mask = done.rollout.mu, done.anchor, done.rollout.completion_mask
+    """--recompute_old: rollout_correction's weights, the share it cut, and how far pi_old is from mu, over the tokens
+    of the completions with A != 0 (recompute_anchor's)."""
+    mu, pi_old = done.rollout.mu, done.anchor
+    mask = done.rollout.completion_mask * (done.advantages.to(mu.logp.device) != 0)[:, None]
     bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
     flagged = rollout_correction(pi_old.logp, mu.logp, mask, mode=cfg.rollout_correction, **bounds)[1]
     real, stats = mask.bool(), TokenStats()

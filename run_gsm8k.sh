@@ -2,10 +2,13 @@
 # Compare objectives: each objective x seed trains from the same model with the same budget, and the study
 # ends in markdown tables (each evaluation's accuracy, mean ± std over seeds and each seed's) and a figure (mean
 # curves, min–max band over seeds), drawn by figures/study.py. The same command started again continues a study:
-# a finished run is skipped, an unfinished one starts again.
+# a finished run is skipped, an unfinished one resumes from its last checkpoint (--save_every, default 10 steps; one
+# with no checkpoint yet starts over, saying so), and a record whose flags (model included) or commit differ from the
+# run asked for is refused in one line naming the flag and the record's directory: never skipped, never overwritten.
 #
 #   bash run_gsm8k.sh                                            # GSM8K, all twelve objectives, Qwen2.5-0.5B-Instruct, one GPU
 #   bash run_gsm8k.sh --objectives "ppo_clip topk_tv" --steps 50 --model Qwen/Qwen2.5-1.5B-Instruct
+#   bash run_gsm8k.sh --models "Qwen/Qwen2.5-0.5B-Instruct Qwen/Qwen2.5-1.5B-Instruct" --seeds "0 1 2"  # a study each
 #   bash run_gsm8k.sh --dataset path/to/gsm8k                    # a local copy (JSONL files or save_to_disk)
 #   bash run_gsm8k.sh --seeds "0 1 2" -- --learning_rate 2e-6    # flags after -- go to every dppo.py run
 #   bash run_gsm8k.sh --demo --seeds "0 1 2" -- --updates_per_step 16   # offline: the built-in demo model and data
@@ -15,8 +18,10 @@
 #   bash run_gsm8k.sh --report --out runs/gsm8k                  # only (re)write the tables and figure of finished runs
 #   bash run_gsm8k.sh --help                                     # this text
 #
-# Options: --model M (default Qwen/Qwen2.5-0.5B-Instruct), --dataset D (default gsm8k), --objectives "A B ..."
-# (default all twelve), --seeds "0 1 ..." (default 0), --steps N (on GSM8K default 100), --eval_n N, --out DIR,
+# Options: --model M (default Qwen/Qwen2.5-0.5B-Instruct), --models "M1 M2 ..." (a study per model, each under
+# <out>/<model's last name>/), --dataset D (default gsm8k), --objectives "A B ..." (default all twelve), --seeds "0 1 ..."
+# (default 0), --steps N (on GSM8K default 100), --eval_every N (on GSM8K default steps/5: 6 evaluations), --eval_n N,
+# --save_every N (default 10: a checkpoint every N steps, for resuming), --out DIR,
 # --variant NAME "FLAGS" (a name in --objectives that runs dppo.py with FLAGS; repeatable), --pair "A B" (the report's
 # A − B per seed; repeatable), --keep_models, --demo, --smoke, --report, -h/--help; everything after -- goes to every
 # dppo.py run.
@@ -30,6 +35,7 @@
 # --smoke). On GSM8K the held-out set is the first --eval_n problems of the test split (default 1,319: all of it).
 set -euo pipefail
 here=$(dirname "$0")
+original=("$@")
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }  # the comment above
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # so the inline Python below can import dppo
 
@@ -43,12 +49,18 @@ out=
 mode=gsm8k
 report_only=0
 model_given=0
+models=
+eval_every=
+save_every=10
 keep_models=()
 pairs=()
 declare -A variants=()  # name -> its dppo.py flags, e.g. relax_low -> "--objective ppo_clip --relax_clip low"
 while (($#)); do
   case "$1" in
     --model) model=$2; model_given=1; shift 2 ;;
+    --models) models=$2; shift 2 ;;
+    --eval_every) eval_every=$2; shift 2 ;;
+    --save_every) save_every=$2; shift 2 ;;
     --dataset) dataset=$2; shift 2 ;;
     --objectives) objectives=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
@@ -68,17 +80,35 @@ while (($#)); do
 done
 extra=("$@")
 
+if [[ -n $models ]]; then  # a study per model, each under <out>/<its last name>/: this command, with one model
+  options=()
+  for ((i = 0; i < ${#original[@]} - ${#extra[@]}; i++)); do
+    case ${original[i]} in
+      --models|--out) ((i++)) ;;
+      --) ;;
+      *) options+=("${original[i]}") ;;
+    esac
+  done
+  [[ $mode == demo ]] && base=runs/demo || base=runs/gsm8k
+  for model in $models; do
+    bash "$0" "${options[@]}" --model "$model" --out "${out:-$base}/${model##*/}" -- "${extra[@]}"
+  done
+  exit
+fi
+
 case $mode in
   gsm8k)
     out=${out:-runs/gsm8k}
     steps=${steps:-100}
-    run=(--model "$model" --dataset "$dataset" --eval_n "${eval_n:-1319}" --steps "$steps" --eval_every "$steps") ;;
+    run=(--model "$model" --dataset "$dataset" --eval_n "${eval_n:-1319}" --steps "$steps")
+    run+=(--eval_every "${eval_every:-$((steps >= 5 ? steps / 5 : 1))}") ;;
   demo)
     out=${out:-runs/demo}
     run=()
     if ((model_given)); then run+=(--model "$model" --dataset arithmetic); fi
     if [[ -n $steps ]]; then run+=(--steps "$steps"); fi
-    if [[ -n $eval_n ]]; then run+=(--eval_n "$eval_n"); fi ;;
+    if [[ -n $eval_n ]]; then run+=(--eval_n "$eval_n"); fi
+    if [[ -n $eval_every ]]; then run+=(--eval_every "$eval_every"); fi ;;
   smoke)
     # The GSM8K path end to end with local stand-ins: the built-in tiny model (or --model, e.g. a tiny model
     # at Qwen's vocabulary) and GSM8K-format train/test files written from dppo.py's arithmetic problems.
@@ -110,16 +140,17 @@ if ((!report_only)); then
   for seed in $seeds; do
     for name in $objectives; do
       record=$out/$name-seed$seed
-      if python "$here/figures/study.py" finished "$record"; then
-        echo "== $name, seed $seed: finished before, skipped"
-        continue
-      fi
-      echo "== $name, seed $seed"
       read -ra objective <<< "${variants[$name]:---objective $name}"
-      flags=("${run[@]}" "${objective[@]}" --seed "$seed" "${extra[@]}")
-      rm -rf "$record"  # an unfinished run starts again from step 0
-      python "$here/figures/study.py" start "$record" -- "${flags[@]}"
-      python "$here/dppo.py" "${flags[@]}" --output_dir "$record"
+      flags=("${run[@]}" "${objective[@]}" --seed "$seed" --save_every "$save_every" "${extra[@]}")
+      state=$(python "$here/figures/study.py" state "$record" -- "${flags[@]}")  # exit 2: the record differs
+      case $state in
+        finished) echo "== $name, seed $seed: finished before, skipped"; continue ;;
+        resume) echo "== $name, seed $seed: resumed from its last checkpoint"; resume=(--resume "$record") ;;
+        new) echo "== $name, seed $seed$([[ -e $record ]] && echo ': unfinished, no checkpoint: started over')"
+             rm -rf "$record"; resume=()
+             python "$here/figures/study.py" start "$record" -- "${flags[@]}" ;;
+      esac
+      python "$here/dppo.py" "${flags[@]}" --output_dir "$record" "${resume[@]}"
       python "$here/figures/study.py" finish "$record" "${keep_models[@]}"
     done
   done

@@ -1,6 +1,7 @@
 """A seeded study's records, its table and its figure; run_gsm8k.sh calls it around every dppo.py run.
 
-    python figures/study.py start RUN_DIR -- DPPO_FLAGS...   # provenance.json: commit, CPU model, flags, versions
+    python figures/study.py start RUN_DIR -- DPPO_FLAGS...   # provenance.json: commit, machine, flags, versions
+    python figures/study.py state RUN_DIR -- DPPO_FLAGS...   # finished, resume or new; exit 2 if the record differs
     python figures/study.py finish RUN_DIR                   # marks the run finished; deletes its model's files
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
 
@@ -8,11 +9,13 @@ A run's record is RUN_DIR = DIR/<name>-seed<seed>/ with provenance.json and dppo
 finished once provenance.json says so. The report (DIR/results.md and DIR/curves.png) gives per name the mean ± std
 over seeds at every evaluation step and each seed's numbers, the paired difference per seed between two names, and
 the mean curves with a min–max band. It names the runs missing or unfinished, and refuses records from more than one
-CPU model or commit.
+commit or kind of machine: a run's numbers depend on the CPU's arithmetic (its family, model and stepping, and the
+vector extensions torch dispatches to: bf16 is native on some CPUs, emulated on others), or on the GPU and CUDA.
 """
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -23,14 +26,30 @@ from pathlib import Path
 KEPT = {"provenance.json", "metrics.jsonl"}  # what a finished record holds: no model
 
 
-def cpu_model() -> str:
+def lscpu(field: str) -> str:
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
+            if line.startswith(f"{field}:"):
                 return line.split(":", 1)[1].strip()
     except (OSError, subprocess.CalledProcessError):
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def machine() -> dict:
+    """What decides a run's arithmetic, beyond the code: the CPU (and what torch dispatches to on it), the GPU."""
+    import torch
+
+    cpu = {
+        "cpu": lscpu("Model name") or platform.processor() or platform.machine(),
+        "cpu_id": " ".join(f"{f.lower()} {lscpu(f) or '?'}" for f in ("CPU family", "Model", "Stepping")),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    if not torch.cuda.is_available():
+        return cpu | {"gpu": "none"}
+    smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    driver = subprocess.run(smi, capture_output=True, text=True).stdout.split("\n")[0].strip() or "?"
+    return cpu | {"gpu": f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, driver {driver}"}
 
 
 def commit() -> str:
@@ -48,7 +67,7 @@ def start(run_dir: Path, flags: list[str]):
     run_dir.mkdir(parents=True, exist_ok=True)
     provenance = {
         "commit": commit(),
-        "cpu": cpu_model(),
+        **machine(),
         "flags": flags,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -73,6 +92,51 @@ def is_finished(run_dir: Path) -> bool:
     return path.exists() and json.loads(path.read_text())["finished"] is not None
 
 
+def flag_values(flags: list[str]) -> dict:
+    """{--flag: its value, '' for a switch}: the last of a repeated flag wins, as in argparse."""
+    values, flag = {}, None
+    for token in flags:
+        if token.startswith("--"):
+            flag, values[token] = token, ""
+        else:
+            values[flag] = f"{values[flag]} {token}".strip()
+    return values
+
+
+def refuse(message: str):
+    print(f"study.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def state(run_dir: Path, flags: list[str]) -> str:
+    """'finished' (skip it), 'resume' (from its checkpoint) or 'new'; a record whose flags (model included) or commit
+    differ from the run asked for is refused in one line, exit 2: never skipped, never overwritten."""
+    path = run_dir / "provenance.json"
+    if not path.exists():
+        return "new"
+    recorded = json.loads(path.read_text())
+    if recorded["commit"] != commit():
+        refuse(f"{run_dir} holds a run of commit {recorded['commit'][:12]}, not {commit()[:12]}: give it another --out")
+    asked, had = flag_values(flags), flag_values(recorded["flags"])
+    for flag in [*asked, *(flag for flag in had if flag not in asked)]:
+        if asked.get(flag) != had.get(flag):
+            mine, theirs = (
+                f"{flag} {x}".strip() if x is not None else f"no {flag}" for x in (asked.get(flag), had.get(flag))
+            )
+            refuse(f"{run_dir} holds a run with {theirs}, not {mine}: give this study another --out")
+    if recorded["finished"] is not None:
+        return "finished"
+    checkpoint = run_dir / "checkpoint" / "training_state.pt"
+    if not checkpoint.exists():
+        return "new"
+    import torch
+
+    step = torch.load(checkpoint, weights_only=False)["step"]
+    kept = [line for line in (run_dir / "metrics.jsonl").open() if json.loads(line)["step"] <= step]
+    (run_dir / "metrics.jsonl").write_text("".join(kept))  # the steps after the checkpoint are run again
+    return "resume"
+
+
 END = 5  # "at the end" = the mean over a run's last END steps
 
 
@@ -90,7 +154,8 @@ def load_records(directory: Path, names: list[str], seeds: list[str]):
                 provenance = json.loads((run_dir / "provenance.json").read_text())
                 records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
                 finished[name, seed] = (provenance, records)
-    origins = {key: {run[0][key] for run in finished.values()} for key in ("cpu", "commit")}
+    keys = ("cpu", "cpu_id", "cpu_capability", "gpu", "commit")
+    origins = {key: {run[0].get(key, "not recorded") for run in finished.values()} for key in keys}
     for key, values in origins.items():
         if len(values) > 1:
             sys.exit(
@@ -125,6 +190,7 @@ def training(records) -> dict:
         return 100 * sum(w * n for w, n in zip(weight, tokens)) / blocked
 
     return {
+        "reward end": 100 * statistics.mean(r["reward/mean"] for r in steps[-END:]),
         "truncated first": 100 * statistics.mean(r["completion/truncated"] for r in steps[:END]),
         "truncated end": 100 * statistics.mean(r["completion/truncated"] for r in steps[-END:]),
         "blocked": 100 * blocked / sum(tokens),
@@ -202,6 +268,27 @@ def shared_flags(flags: list[str]) -> list[str]:
     return shown
 
 
+T_975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+]  # Student's t, 97.5%, 1 to 9 degrees of freedom
+
+
+def t_interval(gaps: list[float]) -> str:
+    """The 95% t interval of the mean paired difference, seeds - 1 degrees of freedom."""
+    if not 2 <= len(gaps) <= len(T_975) + 1:
+        return "–"
+    half = T_975[len(gaps) - 2] * statistics.stdev(gaps) / math.sqrt(len(gaps))
+    return f"[{statistics.mean(gaps) - half:+.1f}, {statistics.mean(gaps) + half:+.1f}]"
+
+
 def paired_verdict(gaps: list[float], n_seeds: int) -> str:
     """The criterion fixed before the runs: a gap only if every seed's difference has the same sign."""
     signs = {(gap > 0) - (gap < 0) for gap in gaps}
@@ -214,13 +301,21 @@ def paired_verdict(gaps: list[float], n_seeds: int) -> str:
     return "a gap: one sign in every seed"
 
 
+def machine_text(origin: dict) -> str:
+    cpu = f"CPU {origin['cpu']}"
+    if origin["cpu_id"] != "not recorded":  # older records name the CPU's model alone
+        cpu += f" ({origin['cpu_id']}, torch's {origin['cpu_capability']} kernels)"
+    return cpu + ("" if origin["gpu"] in ("none", "not recorded", "–") else f", GPU {origin['gpu']}")
+
+
 def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]]) -> str:
     finished, absent, origin = load_records(directory, names, seeds)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
     eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
     lines = [
         f"Records in `{directory}`: {len(finished)} finished of {len(names) * len(seeds)} (seeds {', '.join(seeds)}); "
-        f"commit {origin['commit'][:7]}, CPU {origin['cpu']}. Flags: `{' '.join(flags)}`, and each run's name, seed.",
+        f"commit {origin['commit'][:7]}, {machine_text(origin)}. Flags: `{' '.join(flags)}`, and each run's name, "
+        "seed.",
         "",
         "Greedy held-out accuracy (%) at each evaluation step: mean ± std over the finished seeds, then each seed's.",
         "",
@@ -236,23 +331,33 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
             cells.append(f"{mean_std(values)} ({each})" if values else "–")
         lines.append(f"| `{name}` | {', '.join(runs) or '–'} | " + " | ".join(cells) + " |")
     if pairs:
-        lines += ["", "Paired differences in points, per seed (same seed, same prompt order):", ""]
-        lines += ["| pair | step | " + " | ".join(f"seed {seed}" for seed in seeds) + " | mean | verdict |"]
-        lines += ["|---" * (4 + len(seeds)) + "|"]
+        chance = 100 * 2 * 0.5 ** len(seeds)
+        lines += [
+            "",
+            "Paired differences in points, per seed (same seed, same prompt order), their mean ± std and its 95% t "
+            "interval (seeds − 1 degrees of freedom); the verdict is the criterion fixed before the runs, one sign on "
+            f"every seed, which {len(seeds)} seeds meet by chance {chance:.0f}% of the time under a coin-flip sign:",
+            "",
+        ]
+        lines += ["| pair | step | " + " | ".join(f"seed {seed}" for seed in seeds) + " | mean | 95% t | verdict |"]
+        lines += ["|---" * (5 + len(seeds)) + "|"]
     for a, b in pairs:
         shared = [seed for seed in seeds if (a, seed) in finished and (b, seed) in finished]
         for step in eval_steps[1:]:
             gaps = {s: accuracies(finished[a, s][1])[step] - accuracies(finished[b, s][1])[step] for s in shared}
             cells = [f"{gaps[s]:+.1f}" if s in gaps else "–" for s in seeds]
-            summary = f"{mean_std(list(gaps.values()), '+.1f')} | {paired_verdict(list(gaps.values()), len(seeds))}"
+            gap_list = list(gaps.values())
+            summary = f"{mean_std(gap_list, '+.1f')} | {t_interval(gap_list)} | {paired_verdict(gap_list, len(seeds))}"
             lines.append(f"| `{a}` − `{b}` | {step} | " + " | ".join(cells) + f" | {summary} |")
-    columns = ["truncated first", "truncated end", "blocked", "at branching", "A<0, falling", "drift", "minutes"]
+    columns = ["reward end", "truncated first", "truncated end", "blocked", "at branching", "A<0, falling", "drift"]
+    columns.append("minutes")
     lines += [
         "",
-        f"Over training, mean ± std over seeds: completions truncated (%) over the first and the last {END} steps; "
+        f"Over training, mean ± std over seeds: the sampled reward (%) over the last {END} steps (a second outcome); "
+        f"completions truncated (%) over the first and the last {END} steps; "
         "tokens blocked (%, of all trained tokens); of the blocked, the share at branching points (μ(a_t) < 0.5) and "
         "with A < 0 and π falling (%); |π − μ| of the sampled tokens, mean over steps; minutes per run (its "
-        "evaluations included).",
+        "evaluations included; * where a run shared its CPU, so its minutes are not its own).",
         "",
         "| name | " + " | ".join(columns) + " |",
         "|---" * (1 + len(columns)) + "|",
@@ -261,6 +366,8 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
         runs = [training(finished[name, seed][1]) for seed in seeds if (name, seed) in finished]
         formats = {"drift": ".4f", "blocked": ".2f"}
         cells = [mean_std([run[c] for run in runs if run[c] is not None], formats.get(c, ".1f")) for c in columns]
+        if any(finished[name, seed][0].get("shared_cpu") for seed in seeds if (name, seed) in finished):
+            cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += summary_table(finished, names, seeds)
     if absent:
@@ -280,7 +387,7 @@ def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
         ("held-out accuracy (%)", "eval/accuracy"),
         ("completions truncated (%)", "completion/truncated"),
         ("tokens blocked (%)", "trust_region/blocked_frac"),
-        ("|π − μ| of sampled tokens, mean", "policy/abs_pi_minus_mu_mean"),
+        ("|π − μ| of sampled tokens, mean (dotted: update 1)", "policy/abs_pi_minus_mu_mean"),
     ]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
     for (title, key), ax in zip(panels, axes):
@@ -295,8 +402,19 @@ def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
                 continue
             steps = sorted(set.intersection(*(set(curve) for curve in curves)))
             values = [[curve[step] for curve in curves] for step in steps]
-            ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{name} ({len(curves)})")
+            marker = "o" if key == "eval/accuracy" else None  # evaluations are few: each one shown
+            mean = [statistics.mean(v) for v in values]
+            ax.plot(steps, mean, color=f"C{i}", marker=marker, markersize=4, label=f"{name} ({len(curves)})")
             ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.2)
+            if key == "policy/abs_pi_minus_mu_mean":  # the numerics' floor: update 1, where pi = pi_old
+                first = "policy/mismatch_first_update_mean"  # in the same step records as the key drawn
+                floor = [
+                    {r["step"]: r[first] for r in finished[name, s][1] if first in r}
+                    for s in seeds
+                    if (name, s) in finished
+                ]
+                at = [statistics.mean(f[step] for f in floor) for step in steps]
+                ax.plot(steps, at, color=f"C{i}", linestyle=":", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -333,5 +451,5 @@ if __name__ == "__main__":
         start(Path(run_dir), rest[1:] if rest[:1] == ["--"] else rest)
     elif command == "finish":
         finish(Path(run_dir), keep_models=rest == ["--keep_models"])
-    elif command == "finished":
-        sys.exit(0 if is_finished(Path(run_dir)) else 1)
+    elif command == "state":
+        print(state(Path(run_dir), rest[1:] if rest[:1] == ["--"] else rest))
