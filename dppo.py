@@ -427,8 +427,8 @@ def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: d
 
 @timed("update")
 def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
-    """U optimizer steps on one rollout: for each mini-batch its token weights; for each of its micro-batches log pi,
-    the objective's per-token loss and backward; then one clipped AdamW step. Returns what it measured."""
+    """U optimizer steps, one pass over the rollout: for each mini-batch its token weights; for each micro-batch of its
+    completions with A != 0, log pi, the objective's per-token loss and backward; then one clipped AdamW step."""
     A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
     measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
@@ -439,7 +439,6 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
         weights[minibatch] = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * correction[minibatch]
         optimizer.zero_grad(set_to_none=True)
         micro_batches, left_out = rows_that_move_pi(minibatch, A[:, 0], cfg.micro_batch_size)
-        measured.add_left_out(rollout, left_out)
         for rows in micro_batches:
             sampled = rollout.select(rows)
             anchored = anchor.select(rows, sampled.completion_ids.shape[1])  # the anchor at these completions' tokens
@@ -448,6 +447,7 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
             loss = (token_loss * weights[rows, : token_loss.shape[1]]).sum()
             loss.backward()
             measured.add_micro_batch(update, loss, sampled, pi, anchored, A[rows], blocked)
+        measured.add_left_out(rollout, left_out)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         measured.add_grad_norm(update, grad_norm)  # a non-finite norm stops the run before this optimizer step
         optimizer.step()
@@ -456,10 +456,9 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
 
 
 def rows_that_move_pi(rows: torch.Tensor, A: torch.Tensor, micro_batch_size: int) -> tuple[tuple, torch.Tensor]:
-    """The micro-batches of `rows` to compute, those with A != 0 (every objective's loss is a multiple of A or |A|: a
-    row with A = 0 adds exactly 0 to the gradient), and the rows left out. Every process runs as many micro-batches as
-    the busiest, at least one: FSDP2 gathers weights in every process's forward, and AdamW must see a gradient, zeros
-    if need be. A process short of rows with A != 0 fills its micro-batches with rows with A = 0."""
+    """The micro-batches to compute, of the rows with A != 0 (every loss is a multiple of A or |A|), and the rows left
+    out. Each process runs as many as the busiest (FSDP2's collectives), at least one (AdamW steps on zeros, not None),
+    filling up with rows with A = 0."""
     nonzero = (A[rows] != 0).to(rows.device)
     moving, still = rows[nonzero], rows[~nonzero]
     micro_batches = [moving[i : i + micro_batch_size] for i in range(0, len(moving), micro_batch_size)]
@@ -756,8 +755,8 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config) -> tuple[LogProbs, torch.Tensor]:
     """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the tokens of the
-    completions with A != 0 as far as the objective reads it (zeros elsewhere: no other token has a gradient); the
-    loss's per-token weight is rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old and that weight."""
+    completions with A != 0 as far as the objective reads it (zeros elsewhere); the loss's per-token weight is
+    rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old and that weight."""
     needs = objective_needs(cfg.objective)
     read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
     pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
@@ -1277,14 +1276,13 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
     return model, tokenizer
 
 
-# /proc/cpuinfo's names for the instructions that compute a dtype natively (x86's, then Arm's)
 CPU_FLAGS = {"bfloat16": {"avx512_bf16", "amx_bf16", "bf16"}, "float16": {"avx512_fp16", "amx_fp16", "asimdhp"}}
 
 
 def make_sampler(model, sampler_dtype: str):
     if sampler_dtype == "policy":
         return model
-    cpuinfo = Path("/proc/cpuinfo")  # Linux's; elsewhere nothing is said
+    cpuinfo = Path("/proc/cpuinfo")  # Linux's: the CPU's instructions (CPU_FLAGS: bf16's and fp16's, x86's and Arm's)
     flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else {"unknown"}
     if model.device.type == "cpu" and not flags & CPU_FLAGS.get(sampler_dtype, flags) and rank_and_world()[0] == 0:
         why = "torch emulates them: sampling takes several times as long as with --sampler_dtype float32"
@@ -1570,7 +1568,7 @@ class UpdateMetrics(TokenStats):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg, self.losses, self.grad_norms, self.kept_tokens_left_out = cfg, [], [], 0
+        self.cfg, self.losses, self.grad_norms = cfg, [], []
 
     def add_micro_batch(self, update: int, loss, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked):
         if update == len(self.losses):
@@ -1579,11 +1577,11 @@ class UpdateMetrics(TokenStats):
         add_token_stats(self, self.cfg, sampled, pi, anchor, A, blocked, first=update == 0)
 
     def add_left_out(self, rollout: Rollout, rows: torch.Tensor):
-        """Completions with A = 0 that update_policy does not compute: none of their tokens is blocked, so every blocked
-        share counts them as kept; what needs only mu is exact; what needs pi is over the computed completions."""
+        """Completions with A = 0, not computed: kept in every share of blocked tokens; counted in mu's rare share."""
         real = rollout.completion_mask[rows].bool()
         self.add("policy/rare_token_frac", (rollout.mu.logp[rows].exp() < RARE_TOKEN_MU)[real].float())
-        self.kept_tokens_left_out += int(real.sum())
+        for name in [n for n in self if "blocked" in n and "_frac" in n and "branching" not in n or "nonpositive" in n]:
+            self.add(name, real.new_zeros(int(real.sum())))
 
     def add_grad_norm(self, update: int, grad_norm: torch.Tensor):
         self.grad_norms.append(grad_norm.item())
@@ -1596,9 +1594,6 @@ class UpdateMetrics(TokenStats):
     def metrics(self) -> dict:
         losses = all_reduced(torch.stack(self.losses)).tolist()  # each mini-batch's loss, every process's share added
         grad_norm = sum(self.grad_norms) / len(self.grad_norms)
-        for name, (total, count, largest) in self.items():
-            if "blocked" in name and "_frac" in name and "branching" not in name or "nonpositive" in name:
-                self[name] = (total, count + self.kept_tokens_left_out, largest)  # of every token, see add_left_out
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, **super().metrics()}
 
 
