@@ -303,7 +303,7 @@ def paired_verdict(gaps: list[float], n_seeds: int) -> str:
 
 def machine_text(origin: dict) -> str:
     cpu = f"CPU {origin['cpu']}"
-    if origin["cpu_id"] != "not recorded":  # older records name the CPU's model alone
+    if origin["cpu_id"] not in ("not recorded", "–"):  # older records name the CPU's model alone
         cpu += f" ({origin['cpu_id']}, torch's {origin['cpu_capability']} kernels)"
     return cpu + ("" if origin["gpu"] in ("none", "not recorded", "–") else f", GPU {origin['gpu']}")
 
