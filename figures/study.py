@@ -294,6 +294,8 @@ def paired_verdict(gaps: list[float], n_seeds: int) -> str:
     signs = {(gap > 0) - (gap < 0) for gap in gaps}
     if not gaps:
         return "no seed has both runs"
+    if n_seeds == 1:
+        return "one seed: no verdict"
     if 0 in signs or len(signs) > 1:
         return "within the seeds' spread" if len(gaps) > 1 else "one seed, no sign"
     if len(gaps) < n_seeds:
