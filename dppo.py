@@ -1283,8 +1283,8 @@ def make_sampler(model, sampler_dtype: str):
     if sampler_dtype == "policy":
         return model
     cpuinfo = Path("/proc/cpuinfo")  # Linux's: the CPU's instructions (CPU_FLAGS: bf16's and fp16's, x86's and Arm's)
-    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else {"unknown"}
-    if model.device.type == "cpu" and not flags & CPU_FLAGS.get(sampler_dtype, flags) and rank_and_world()[0] == 0:
+    on_a_cpu = model.device.type == "cpu" and sampler_dtype in CPU_FLAGS and rank_and_world()[0] == 0
+    if on_a_cpu and cpuinfo.exists() and not set(cpuinfo.read_text().split()) & CPU_FLAGS[sampler_dtype]:
         why = "torch emulates them: sampling takes several times as long as with --sampler_dtype float32"
         print(f"dppo.py: this CPU has no {sampler_dtype} instructions; {why}", file=sys.stderr)
     return copy.deepcopy(model).to(getattr(torch, sampler_dtype)).eval().requires_grad_(False)
