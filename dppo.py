@@ -6,22 +6,28 @@ the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objec
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
 
-Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi is the policy being trained;
-the *anchor* is what the trust region measures from: mu as sampled (DPPO), or pi_old, the policy before the step's
-first update (--recompute_old, the paper's ablation); M is eq. 11's mask; tau the temperature, T a completion's length,
-U the updates per rollout, K the size of mu's recorded top K. The algorithm in this file's names, in the order they run:
+What DPPO changes: PPO clips r = pi(a_t) / mu(a_t) to [1 - eps, 1 + eps], which lets a token's probability move by
+eps * mu(a_t), next to nothing for a rare token; DPPO bounds a divergence D(mu || pi) by delta instead, and removes a
+token's gradient only where the update moves it away from mu past delta (eq. 11's mask M, eq. 12's loss, dppo_loss):
+    M = 0  iff  A * (r - 1) > 0  and  D > delta,        loss_t = -A * sg(r) * M * log pi(a_t),    e.g. D = |pi - mu|
+The paper argues that the clip's cuts fall mostly on rare tokens (see RARE_TOKEN_MU, where the metric is measured).
+
+Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi the policy trained; the
+*anchor* what the trust region measures from: mu as sampled, or pi_old, the policy before the step's first update
+(--recompute_old, the paper's ablation); C an optional cap on r; tau the temperature; B = P x G completions of length T
+(a batch's longest); U updates per rollout; K mu's recorded top K. The algorithm in this file's names, as they run:
 
     for step in 1 .. steps:                                                        train, rl_step
         sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample, SamplingRecorder
         reward 1/0 for the right final answer                                       rewards.py
-        advantages per group of G completions                                       step_advantages (GRPO | SAS)
+        advantages per group of G completions                                       step_advantages, grpo_advantages
         the anchor is mu as sampled; [--recompute_old] pi_old, with a correction    recompute_anchor
         U mini-batches, one AdamW step each, on                                     update_policy
           sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
           loss_t from log pi, the anchor and A:                                     objective_loss
             pg_loss | ppo_clip_loss
             | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl          dppo_divergence
-            | dcpo_loss | erc_loss | cispo_loss | gspo_loss | drpo_loss | cppo_loss (the neighbours)
+            | dcpo_loss | erc_loss | ... (the neighbours, after the training loop)
           log pi from one teacher-forced pass, the output layer in chunks           policy_logprobs
         every eval_every steps: greedy held-out accuracy                            evaluate
 
@@ -93,7 +99,7 @@ class Config:
     # -------- what is trained, on what
     model: str = setting("", "Hub id, local directory or GGUF file of a causal LM; empty = the demo's tiny model")
     dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
-    objective: str = setting("binary_tv", "the per-token loss: which trust region (see README)", " ".join(OBJECTIVES))
+    objective: str = setting("binary_tv", "binary_* and topk_* are DPPO's, ppo_clip its baseline", " ".join(OBJECTIVES))
     # -------- sampling: the rollout and mu
     prompts_per_step: int = setting(32, "P: prompts per rollout batch")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
@@ -102,7 +108,6 @@ class Config:
     topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
     sampler_dtype: str = setting("policy", "sample from a copy in this dtype", "policy float32 bfloat16 float16")
     # -------- advantages and the loss's aggregation
-    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
     scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", "group none")
     loss_agg: str = setting("token_mean", "see token_weights", "token_mean seq_mean_token_mean seq_sum seq_sum_norm")
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
@@ -112,22 +117,9 @@ class Config:
     relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", "none high low both")
     relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
     dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
-    dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
-    erc_beta_low: float = setting(0.05, "erc: keep a token's gradient only if its entropy ratio is above 1 - beta_low")
-    erc_beta_high: float = setting(0.05, "erc: ... and below 1 + beta_high")
     delta_low: float = setting(0.15, "DPPO: a token with A < 0 whose probability falls is blocked when D > delta_low")
     delta_high: float = setting(0.15, "DPPO: a token with A > 0 whose probability rises is blocked when D > delta_high")
-    drpo_delta: float = setting(12.5, "drpo: its penalty's delta; a token's gradient weight is 1 -+ |pi - mu| / delta")
-    cppo_delta: float = setting(0.15, "cppo: delta, the most a token's (position-weighted) |pi - mu| may move")
-    cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
-    cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
     is_cap: float = setting(math.inf, "pg, DPPO, cppo: cap C on the importance weight min(r, C); inf: none")
-    # -------- the paper's ablation: the trust region anchored to pi_old
-    recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
-    rollout_correction: str = setting("tis", "--recompute_old: its weight on pi_old/mu", "tis token_mis seq_mis none")
-    correction_cap: float = setting(2.0, "tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
-    correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop)")
-    correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop)")
     # -------- training
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
@@ -153,6 +145,20 @@ class Config:
     report_to: str = setting("none", "also send metrics.jsonl's records to a tracker", "none wandb tensorboard trackio")
     resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
+    # -------- the neighbours' and the ablation's own (see them after the training loop)
+    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
+    dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
+    erc_beta_low: float = setting(0.05, "erc: keep a token's gradient only if its entropy ratio is above 1 - beta_low")
+    erc_beta_high: float = setting(0.05, "erc: ... and below 1 + beta_high")
+    drpo_delta: float = setting(12.5, "drpo: its penalty's delta; a token's gradient weight is 1 -+ D / delta")
+    cppo_delta: float = setting(0.15, "cppo: delta, the most a token's (position-weighted) |pi - mu| may move")
+    cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
+    cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
+    recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
+    rollout_correction: str = setting("tis", "--recompute_old: its weight on pi_old/mu", "tis token_mis seq_mis none")
+    correction_cap: float = setting(2.0, "tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
+    correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop)")
+    correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop)")
 
 
 # A method's own defaults: DCPO (arXiv 2509.02333) is SAS plus "only token mean"; DPPO's KL variants, a smaller delta.
@@ -163,19 +169,6 @@ OBJECTIVE_DEFAULTS = {
     "binary_kl": dict(delta_low=0.05, delta_high=0.05),
     "topk_kl": dict(delta_low=0.05, delta_high=0.05),
 }
-
-# With no --model, the run is the offline CPU demo. These replace the single-GPU defaults above.
-DEMO_DEFAULTS = dict(
-    dataset="arithmetic",
-    max_new_tokens=16,
-    steps=200,
-    updates_per_step=2,
-    micro_batch_size=128,
-    learning_rate=1e-4,
-    eval_every=20,
-    eval_n=500,
-    eval_batch_size=250,
-)
 
 
 @contextlib.contextmanager
@@ -197,9 +190,7 @@ class Step(NamedTuple):
     rollout: "Rollout"
     rewards: torch.Tensor  # (B,) 0/1
     advantages: torch.Tensor  # (B,)
-    anchor: "LogProbs"
-    correction: torch.Tensor  # (B, T) the loss's per-token weight: 1, or rollout_correction's under --recompute_old
-    update: dict  # update_policy's metrics
+    update: dict  # update_policy's metrics (and recompute_anchor's)
 
 
 def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_history, cfg: Config) -> Step:
@@ -209,32 +200,14 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_hi
     batch, rollout = sample(sampler, tokenizer, [problems[i] for i in indices], cfg)  # G completions each, and mu
     rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
     advantages = step_advantages(rewards, indices, reward_history, cfg)
-    anchor, correction = rollout.mu, torch.ones_like(rollout.completion_mask)  # DPPO's anchor: mu as sampled
+    anchor, correction, measured = rollout.mu, torch.ones_like(rollout.completion_mask), {}  # DPPO's: mu as sampled
     if cfg.recompute_old:  # the paper's ablation: the anchor becomes pi_old, and a weight corrects pi_old to mu
-        anchor, correction = recompute_anchor(model, rollout, advantages, cfg)
-    update = update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)
-    return Step(rollout, rewards, advantages, anchor, correction, update)
+        anchor, correction, measured = recompute_anchor(model, rollout, advantages, cfg)
+    measured |= update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)
+    return Step(rollout, rewards, advantages, measured)
 
 
-# ============================================================================ rollout: the prompts, sampling, mu
-
-
-def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
-    epoch, position = divmod(step - 1, n_problems // batch_size)
-    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
-    return order[position * batch_size : (position + 1) * batch_size]
-
-
-# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def format_prompt(tokenizer, question: str) -> str:
-    if tokenizer.chat_template:
-        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
+# ============================================================================ rollout: sampling, recording mu
 
 
 class LogProbs(NamedTuple):
@@ -348,8 +321,7 @@ def sampling(cfg: Config) -> dict:
 
 
 def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
-    """(prompt inputs, completion ids, completion mask) of model.generate. The prompts are left-padded, so that every
-    completion starts in the same column; the mask keeps each completion up to its first EOS (generate pads after)."""
+    """(prompt inputs, completion ids, completion mask) of model.generate, prompts left-padded (tokenize_prompts)."""
     static = cfg.generation_cache == "static"  # every call the same shapes: see static_cache
     inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
     prompt_length = inputs.input_ids.shape[1]
@@ -357,25 +329,6 @@ def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
         decoding |= static_cache(model, prompt_length + cfg.max_new_tokens)
     completion_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)[:, prompt_length:]
     return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
-
-
-def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
-    """Left-padded (every completion starts in the same column) to `length`, or to the longest prompt if 0."""
-    padding = dict(padding="max_length", max_length=length) if length else dict(padding=True)
-    special = not tokenizer.chat_template  # a chat template already holds the special tokens
-    inputs = tokenizer(prompts, return_tensors="pt", padding_side="left", add_special_tokens=special, **padding)
-    return inputs.to(device)
-
-
-def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
-    return (is_eos.cumsum(1) - is_eos == 0).float()  # 1.0 up to and including the first EOS (generate() pads after)
-
-
-def decode(tokenizer, completion_ids, mask) -> list[str]:
-    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
-    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
-    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 # ============================================================================ advantages
@@ -389,28 +342,6 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
     if scale_rewards == "group":
         advantages = advantages / (groups.std(1, keepdim=True) + eps)
     return advantages.flatten()
-
-
-def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
-    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): history[key] = (visits i, mean_tot, std_tot) of
-    a prompt's rewards over its visits, equally weighted, updated in place; on visit i, the group's mean_new, std_new:
-        A_new = (R - mean_new) / std_new          A_tot = (R - mean_tot) / std_tot       (0 where std = 0)
-        SA_new = (i-1)/i * A_new + 1/i * A_tot    SA_tot = 1/i * A_new + (i-1)/i * A_tot
-        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot)."""
-    advantages = []
-    for key, R in zip(prompt_keys, rewards.view(-1, group_size)):
-        mean_new, std_new = R.mean().item(), R.std().item()
-        visits, mean_old, std_old = history.get(key, (0, 0.0, 0.0))
-        i = visits + 1
-        mean_tot = (visits * mean_old + mean_new) / i
-        std_tot = math.sqrt((visits * std_old**2 + std_new**2 + (visits / i) * (mean_new - mean_old) ** 2) / i)
-        history[key] = (i, mean_tot, std_tot)
-        A_new = (R - mean_new) / std_new if std_new > 0 else torch.zeros_like(R)
-        A_tot = (R - mean_tot) / std_tot if std_tot > 0 else torch.zeros_like(R)
-        SA_new = (i - 1) / i * A_new + 1 / i * A_tot
-        SA_tot = 1 / i * A_new + (i - 1) / i * A_tot
-        advantages.append(torch.where(SA_new.abs() < SA_tot.abs(), SA_new, SA_tot))
-    return torch.cat(advantages)
 
 
 def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> torch.Tensor:
@@ -427,8 +358,10 @@ def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: d
 
 @timed("update")
 def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
-    """U optimizer steps, one pass over the rollout: for each mini-batch its token weights; for each micro-batch of its
-    completions with A != 0, log pi, the objective's per-token loss and backward; then one clipped AdamW step."""
+    """U optimizer steps, one pass over the rollout (no epochs: each completion is in one of the U mini-batches): for
+    each mini-batch its token weights; for each micro-batch of its completions with A != 0, log pi, the objective's
+    per-token loss and backward; then one clipped AdamW step. In the first, pi is pi_old, and |pi - mu| is the
+    sampler's numerics alone; pi moves away from mu from the second on: a trust region needs U >= 2."""
     A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
     measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
@@ -496,7 +429,8 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 
 def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss and blocked tokens, each objective's thresholds from its flags."""
+    """--objective's per-token loss and blocked tokens, each objective's thresholds from its flags: DPPO and its
+    baseline below, the neighbours after the training loop."""
     logp, logp_anchor, A = pi.logp, anchor.logp, advantages
     clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     if cfg.objective == "pg":
@@ -643,159 +577,6 @@ def partition_kl(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tens
     return (logp_anchor.exp() * (logp_anchor - logp)).sum(-1)
 
 
-# -------- the neighbours: the other trust regions the DPPO paper and its sequels compare against, each
-# a ratio clip, an entropy gate, a weight clip, a sequence-level ratio, or (the sequels) DPPO's mask reshaped
-
-
-def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
-    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = mu(a_t):
-    r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
-    ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
-    ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
-    return ratio_low, ratio_high
-
-
-def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
-    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = anchor(a_t), no gradient."""
-    ratio_low, ratio_high = dcpo_bounds(logp_anchor.exp().detach(), clip_low, clip_high, r_max)
-    return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
-
-
-def erc_loss(logp, logp_anchor, advantages, entropy_pi, entropy_anchor, beta_low=0.05, beta_high=0.05, **clip):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip (clip: its clip_low, clip_high, dual_clip), no gradient
-    through rho = (H_pi + 1e-8) / (H_anchor + 1e-8):
-    l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
-    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, **clip)
-    kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
-    return torch.where(kept, loss, loss.detach()), clipped | ~kept
-
-
-def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
-    rho = (entropy_pi + 1e-8) / (entropy_anchor + 1e-8)
-    return (rho > 1 - beta_low) & (rho < 1 + beta_high)
-
-
-def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
-    l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
-    weight = cispo_weight(logp, logp_anchor, clip_low, clip_high)
-    return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
-
-
-@torch.no_grad()
-def cispo_weight(logp, logp_anchor, clip_low=1.0, clip_high=4.0):
-    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), r = pi / anchor."""
-    return log_ratio(logp, logp_anchor).exp().clamp(1 - clip_low, 1 + clip_high)
-
-
-def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
-    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
-    s_i = exp(mean_t log(pi / anchor)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
-    l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
-    real = mask.bool()
-    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)  # padding neither enters the mean nor can poison it
-    log_s = log_r.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
-    s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
-    loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
-    blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
-    return loss, blocked & real
-
-
-# DPPO's sequels (the DPPO authors' group, 2026; their code: Tencent-Hunyuan/UniRL, unirl/algorithms/drpo.py, cppo.py):
-# both keep binary TV against mu as sampled and change how a token that moves away from mu is treated.
-
-
-def drpo_loss(logp, logp_anchor, advantages, delta=12.5):
-    """DRPO (arXiv 2606.09821, section 3, eq. 8): DPPO's binary-TV mask becomes a smooth advantage-weighted quadratic
-    penalty on r = pi / anchor, gradient through r only (log r clamped to [-20, 20], as UniRL):
-        l = -A * r + |A| * mu * (r - 1)^2 / (2 delta),   mu = anchor(a_t)
-    Its gradient (eq. 9) is -A * r * w * grad log pi, w = drpo_weight: no token is cut; blocked: w <= 0."""
-    ratio = log_ratio(logp, logp_anchor).clamp(-20.0, 20.0).exp()
-    mu = logp_anchor.detach().clamp(min=LOG_EPS).exp()
-    loss = -advantages * ratio + advantages.abs() * mu * (ratio - 1) ** 2 / (2 * delta)
-    return loss, drpo_weight(logp, logp_anchor, advantages, delta) <= 0
-
-
-@torch.no_grad()
-def drpo_weight(logp, logp_anchor, advantages, delta=12.5):
-    """DRPO's gradient weight (its Table 1), w = 1 - sign(A (r - 1)) * |pi - mu| / delta: below 1 for a token moving
-    away from mu, negative past D = delta, above 1 for one moving back."""
-    moving_away = torch.sign(advantages * log_ratio(logp, logp_anchor))
-    return 1 - moving_away * binary_tv(logp=logp, logp_anchor=logp_anchor.clamp(min=LOG_EPS)) / delta
-
-
-def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_b_min=0.02, is_cap=math.inf):
-    """CPPO (arXiv 2606.10968, eqs. 8-11 and Algorithm 1; delta_b: eq. 22): DPPO's binary-TV mask, stricter early in
-    a completion and with a budget on the divergence its prefix has spent. Per completion, over its own T real tokens
-    t = 1..T, D_t = |pi - anchor| of a_t (no gradient, fp32):
-        w_t = 1 - (1 - w_min) (t - 1) / (T - 1),   Z_t = w_t D_t,   S, W = sums of Z, w over the tokens before t
-        delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min),   c_t = min(delta, delta + delta_b W - S)
-        l = -A * sg(min(r, C)) * M * log pi,   M = 0 iff A (r - 1) > 0 (moving away) and Z_t > c_t"""
-    real = mask.detach() > 0
-    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())  # the mask in fp32, whatever the input
-    with torch.no_grad():
-        T = real.sum(-1, keepdim=True)  # each completion's own length, its first EOS included
-        w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
-        D = binary_tv(logp=logp.float(), logp_anchor=logp_anchor.float().clamp(min=LOG_EPS)) * real
-        Z = w * D
-        S = Z.cumsum(-1) - Z  # over the tokens before t, kept or blocked
-        W = w.cumsum(-1) - w
-        quantile = torch.nanquantile(torch.where(real, D, math.nan), 0.9, dim=-1, keepdim=True)  # linear, as UniRL
-        delta_b = quantile.clamp(delta_b_min, 2 * delta_b_min)
-        c = (delta + delta_b * W - S).clamp(max=delta)
-        blocked = real & (advantages * log_r > 0) & (Z > c)
-    ratio = log_ratio(logp, logp_anchor).detach().exp().clamp(max=is_cap)  # in the input's dtype
-    return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
-
-
-# ============================================================================ the paper's ablation: pi_old as anchor
-
-
-@timed("update")
-@torch.no_grad()
-def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config) -> tuple[LogProbs, torch.Tensor]:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the tokens of the
-    completions with A != 0 as far as the objective reads it (zeros elsewhere); the loss's per-token weight is
-    rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old and that weight."""
-    needs = objective_needs(cfg.objective)
-    read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
-    pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
-    A = advantages.to(model.device)
-    for rows in rows_that_move_pi(torch.arange(len(A)), A, cfg.micro_batch_size)[0]:
-        part = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
-        for whole, x in zip(pi_old, part):
-            if x is not None:
-                whole[rows, : x.shape[1]] = x
-    modes = dict(mode=cfg.rollout_correction, cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-    moving = rollout.completion_mask * (A != 0)[:, None]
-    return pi_old, rollout_correction(pi_old.logp, rollout.mu.logp, moving, **modes)[0]
-
-
-@torch.no_grad()
-def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
-    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
-    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
-        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
-        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
-    Returns the weight and the real tokens it truncated or zeroed."""
-    if mode not in ("tis", "token_mis", "seq_mis", "none"):
-        raise ValueError(f"rollout_correction: mode must be tis, token_mis, seq_mis or none, got {mode!r}")
-    real = mask.bool()
-    log_w = torch.where(real, logp_pi_old - logp_mu.clamp(min=LOG_EPS), 0.0)
-    w = log_w.exp()
-    if mode == "none":
-        return real.to(w.dtype), torch.zeros_like(real)
-    if mode == "token_mis":
-        kept = (w >= low) & (w <= high)
-        return torch.where(kept, w, 0.0) * real, ~kept & real
-    weight, flagged = w.clamp(max=cap), w > cap
-    if mode == "seq_mis":
-        geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
-        kept = (geometric_mean >= low) & (geometric_mean <= high)
-        weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
-    return weight * real, flagged & real
-
-
 # ============================================================================ pi's log-probs
 
 LOGITS_CHUNK = 2**26  # pi's output layer computes at most this many positions x vocabulary entries at once (256 MiB)
@@ -847,7 +628,7 @@ def logprobs_in_chunks(lm_head, hidden, targets, topk_ids, temperature, with_ent
 
 
 def chunk_logprobs(lm_head, hidden, targets, topk_ids, temperature, with_entropy):
-    """log pi = logit/T - logsumexp(logits/T) in fp32 at N positions' targets; at topk_ids and the entropy, no grad."""
+    """log pi = logit/tau - logsumexp(logits/tau), fp32, at N positions' targets; at topk_ids and the entropy no grad"""
     logits = lm_head(hidden).float() / temperature
     log_normaliser = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
@@ -861,17 +642,6 @@ def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> t
     """H = -sum p log p = log Z - sum p * logit over the last axis; p is the only (N, V) copy, used in place."""
     p = (logits - log_normaliser[:, None]).exp_()
     return log_normaliser - p.mul_(logits).sum(-1)
-
-
-def autocast(model, precision: str):
-    """bf16 matmuls over fp32 weights; not for a sampler copy in its own dtype, nor under FSDP2 (see shard)."""
-    if in_bf16(precision, model.device) and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
-        return torch.autocast(model.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def in_bf16(precision: str, device: torch.device) -> bool:
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
 # ============================================================================ evaluation
@@ -947,6 +717,195 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
             )
     save_model(model, tokenizer, run.output_dir)
     return accuracy
+
+
+# ============================================================================ the neighbours and the paper's ablation
+# Not DPPO nor its baseline: the trust regions the DPPO paper and its sequels compare against, which objective_loss
+# picks by --objective (a ratio clip, an entropy gate, a weight clip, a sequence-level ratio, or DPPO's mask reshaped),
+# and the paper's ablation, the trust region anchored to pi_old (rl_step's --recompute_old).
+
+
+# -------- DCPO (arXiv 2509.02333): smooth advantages (--advantage sas) and a clip whose bounds depend on the anchor
+
+
+def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
+    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): history[key] = (visits i, mean_tot, std_tot) of
+    a prompt's rewards over its visits, equally weighted, updated in place; on visit i, the group's mean_new, std_new:
+        A_new = (R - mean_new) / std_new          A_tot = (R - mean_tot) / std_tot       (0 where std = 0)
+        SA_new = (i-1)/i * A_new + 1/i * A_tot    SA_tot = 1/i * A_new + (i-1)/i * A_tot
+        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot)."""
+    advantages = []
+    for key, R in zip(prompt_keys, rewards.view(-1, group_size)):
+        mean_new, std_new = R.mean().item(), R.std().item()
+        visits, mean_old, std_old = history.get(key, (0, 0.0, 0.0))
+        i = visits + 1
+        mean_tot = (visits * mean_old + mean_new) / i
+        std_tot = math.sqrt((visits * std_old**2 + std_new**2 + (visits / i) * (mean_new - mean_old) ** 2) / i)
+        history[key] = (i, mean_tot, std_tot)
+        A_new = (R - mean_new) / std_new if std_new > 0 else torch.zeros_like(R)
+        A_tot = (R - mean_tot) / std_tot if std_tot > 0 else torch.zeros_like(R)
+        SA_new = (i - 1) / i * A_new + 1 / i * A_tot
+        SA_tot = 1 / i * A_new + (i - 1) / i * A_tot
+        advantages.append(torch.where(SA_new.abs() < SA_tot.abs(), SA_new, SA_tot))
+    return torch.cat(advantages)
+
+
+def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
+    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = anchor(a_t):
+    r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
+    ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
+    ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
+    return ratio_low, ratio_high
+
+
+def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
+    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = anchor(a_t), no gradient."""
+    ratio_low, ratio_high = dcpo_bounds(logp_anchor.exp().detach(), clip_low, clip_high, r_max)
+    return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
+
+
+# -------- ERC, CISPO, GSPO: an entropy gate, a weight clip, a sequence-level ratio
+
+
+def erc_loss(logp, logp_anchor, advantages, entropy_pi, entropy_anchor, beta_low=0.05, beta_high=0.05, **clip):
+    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip (clip: its clip_low, clip_high, dual_clip), no gradient
+    through rho = (H_pi + 1e-8) / (H_anchor + 1e-8):
+    l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
+    loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, **clip)
+    kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
+    return torch.where(kept, loss, loss.detach()), clipped | ~kept
+
+
+def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
+    rho = (entropy_pi + 1e-8) / (entropy_anchor + 1e-8)
+    return (rho > 1 - beta_low) & (rho < 1 + beta_high)
+
+
+def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
+    l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
+    weight = cispo_weight(logp, logp_anchor, clip_low, clip_high)
+    return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
+
+
+@torch.no_grad()
+def cispo_weight(logp, logp_anchor, clip_low=1.0, clip_high=4.0):
+    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), r = pi / anchor."""
+    return log_ratio(logp, logp_anchor).exp().clamp(1 - clip_low, 1 + clip_high)
+
+
+def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
+    s_i = exp(mean_t log(pi / anchor)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
+    l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
+    real = mask.bool()
+    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)  # padding neither enters the mean nor can poison it
+    log_s = log_r.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
+    loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
+    blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
+    return loss, blocked & real
+
+
+# -------- DPPO's sequels, by the DPPO authors' group (2026; their code: Tencent-Hunyuan/UniRL, unirl/algorithms/): both
+# keep binary TV against the anchor and change how a token that moves away from it is treated.
+
+
+def drpo_loss(logp, logp_anchor, advantages, delta=12.5):
+    """DRPO (arXiv 2606.09821, section 3, eq. 8): DPPO's binary-TV mask becomes a smooth advantage-weighted quadratic
+    penalty on r = pi / anchor, gradient through r only (log r clamped to [-20, 20], as UniRL):
+        l = -A * r + |A| * q * (r - 1)^2 / (2 delta),   q = anchor(a_t)
+    Its gradient (eq. 9) is -A * r * w * grad log pi, w = drpo_weight: no token is cut; blocked: w <= 0."""
+    ratio = log_ratio(logp, logp_anchor).clamp(-20.0, 20.0).exp()
+    q = logp_anchor.detach().clamp(min=LOG_EPS).exp()
+    loss = -advantages * ratio + advantages.abs() * q * (ratio - 1) ** 2 / (2 * delta)
+    return loss, drpo_weight(logp, logp_anchor, advantages, delta) <= 0
+
+
+@torch.no_grad()
+def drpo_weight(logp, logp_anchor, advantages, delta=12.5):
+    """DRPO's gradient weight (its Table 1), w = 1 - sign(A (r - 1)) * |pi - anchor| / delta: below 1 for a token
+    moving away from the anchor, negative past D = delta, above 1 for one moving back."""
+    moving_away = torch.sign(advantages * log_ratio(logp, logp_anchor))
+    return 1 - moving_away * binary_tv(logp=logp, logp_anchor=logp_anchor.clamp(min=LOG_EPS)) / delta
+
+
+def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_b_min=0.02, is_cap=math.inf):
+    """CPPO (arXiv 2606.10968, eqs. 8-11 and Algorithm 1; delta_b: eq. 22): DPPO's binary-TV mask, stricter early in
+    a completion and with a budget on the divergence its prefix has spent. Per completion, over its own T real tokens
+    t = 1..T, D_t = |pi - anchor| of a_t (no gradient, fp32):
+        w_t = 1 - (1 - w_min) (t - 1) / (T - 1),   Z_t = w_t D_t,   S, W = sums of Z, w over the tokens before t
+        delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min),   c_t = min(delta, delta + delta_b W - S)
+        l = -A * sg(min(r, C)) * M * log pi,   M = 0 iff A (r - 1) > 0 (moving away) and Z_t > c_t"""
+    real = mask.detach() > 0
+    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())  # the mask in fp32, whatever the input
+    with torch.no_grad():
+        T = real.sum(-1, keepdim=True)  # each completion's own length, its first EOS included
+        w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
+        D = binary_tv(logp=logp.float(), logp_anchor=logp_anchor.float().clamp(min=LOG_EPS)) * real
+        Z = w * D
+        S = Z.cumsum(-1) - Z  # over the tokens before t, kept or blocked
+        W = w.cumsum(-1) - w
+        quantile = torch.nanquantile(torch.where(real, D, math.nan), 0.9, dim=-1, keepdim=True)  # linear, as UniRL
+        delta_b = quantile.clamp(delta_b_min, 2 * delta_b_min)
+        c = (delta + delta_b * W - S).clamp(max=delta)
+        blocked = real & (advantages * log_r > 0) & (Z > c)
+    ratio = log_ratio(logp, logp_anchor).detach().exp().clamp(max=is_cap)  # in the input's dtype
+    return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
+
+
+# -------- the paper's ablation: the anchor is pi_old
+
+
+@timed("update")
+@torch.no_grad()
+def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config) -> tuple[LogProbs, torch.Tensor, dict]:
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the tokens of the
+    completions with A != 0 as far as the objective reads it (zeros elsewhere); the loss's per-token weight is
+    rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old, that weight, and over those tokens the weight,
+    the share it truncated or zeroed, and how far pi_old is from mu."""
+    needs = objective_needs(cfg.objective)
+    read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
+    pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
+    A = advantages.to(model.device)
+    for rows in rows_that_move_pi(torch.arange(len(A)), A, cfg.micro_batch_size)[0]:
+        part = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
+        for whole, x in zip(pi_old, part):
+            if x is not None:
+                whole[rows, : x.shape[1]] = x
+    modes = dict(mode=cfg.rollout_correction, cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+    real = (rollout.completion_mask * (A != 0)[:, None]).bool()
+    weight, flagged = rollout_correction(pi_old.logp, rollout.mu.logp, real, **modes)
+    stats = TokenStats()
+    stats.add("rollout_correction/weight", weight[real])
+    stats.add("rollout_correction/flagged_frac", flagged[real].float())
+    stats.add("policy/abs_old_minus_mu", (pi_old.logp.exp() - rollout.mu.logp.exp()).abs()[real])
+    return pi_old, weight, stats.metrics()
+
+
+@torch.no_grad()
+def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
+    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
+    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
+        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
+        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
+    Returns the weight and the real tokens it truncated or zeroed."""
+    if mode not in ("tis", "token_mis", "seq_mis", "none"):
+        raise ValueError(f"rollout_correction: mode must be tis, token_mis, seq_mis or none, got {mode!r}")
+    real = mask.bool()
+    log_w = torch.where(real, logp_pi_old - logp_mu.clamp(min=LOG_EPS), 0.0)
+    w = log_w.exp()
+    if mode == "none":
+        return real.to(w.dtype), torch.zeros_like(real)
+    if mode == "token_mis":
+        kept = (w >= low) & (w <= high)
+        return torch.where(kept, w, 0.0) * real, ~kept & real
+    weight, flagged = w.clamp(max=cap), w > cap
+    if mode == "seq_mis":
+        geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
+        kept = (geometric_mean >= low) & (geometric_mean <= high)
+        weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
+    return weight * real, flagged & real
 
 
 # ==================================================================================================== plumbing
@@ -1066,10 +1025,9 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
+    may_be_0 = "steps epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens".split()
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
-        at_least_0 = (
-            name in "steps epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens".split()
-        )
+        at_least_0 = name in may_be_0
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
     if cfg.clip_low > 1:
@@ -1136,6 +1094,24 @@ def fail(message: str):
 
 
 # -------- data: a problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format)
+
+
+# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompt(tokenizer, question: str) -> str:
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
+
+
+def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
+    epoch, position = divmod(step - 1, n_problems // batch_size)
+    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
+    return order[position * batch_size : (position + 1) * batch_size]
 
 
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
@@ -1426,7 +1402,37 @@ def all_gathered_objects(item) -> list:
     return items
 
 
-# -------- generation: the static cache
+# -------- generation: prompts to tokens, tokens to text, bf16 autocast, the static cache
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
+    """Left-padded (every completion starts in the same column) to `length`, or to the longest prompt if 0."""
+    padding = dict(padding="max_length", max_length=length) if length else dict(padding=True)
+    special = not tokenizer.chat_template  # a chat template already holds the special tokens
+    inputs = tokenizer(prompts, return_tensors="pt", padding_side="left", add_special_tokens=special, **padding)
+    return inputs.to(device)
+
+
+def completion_mask(completion_ids, eos_ids) -> torch.Tensor:
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device)).long()
+    return (is_eos.cumsum(1) - is_eos == 0).float()  # 1.0 up to and including the first EOS (generate() pads after)
+
+
+def decode(tokenizer, completion_ids, mask) -> list[str]:
+    lengths = mask.sum(1).long().tolist()  # up to and including the first EOS
+    completions = [ids[:n] for ids, n in zip(completion_ids.tolist(), lengths)]
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
+
+
+def autocast(model, precision: str):
+    """bf16 matmuls over fp32 weights; not for a sampler copy in its own dtype, nor under FSDP2 (see shard)."""
+    if in_bf16(precision, model.device) and model.dtype == torch.float32 and not isinstance(model, FSDPModule):
+        return torch.autocast(model.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def in_bf16(precision: str, device: torch.device) -> bool:
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
 def static_cache(model, length: int) -> dict:
@@ -1597,21 +1603,6 @@ class UpdateMetrics(TokenStats):
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, **super().metrics()}
 
 
-@torch.no_grad()
-def correction_metrics(done: "Step", cfg: Config) -> dict:
-    """--recompute_old: rollout_correction's weights, the share it cut, and how far pi_old is from mu, over the tokens
-    of the completions with A != 0 (recompute_anchor's)."""
-    mu, pi_old = done.rollout.mu, done.anchor
-    mask = done.rollout.completion_mask * (done.advantages.to(mu.logp.device) != 0)[:, None]
-    bounds = dict(cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-    flagged = rollout_correction(pi_old.logp, mu.logp, mask, mode=cfg.rollout_correction, **bounds)[1]
-    real, stats = mask.bool(), TokenStats()
-    stats.add("rollout_correction/weight", done.correction[real])
-    stats.add("rollout_correction/flagged_frac", flagged[real].float())
-    stats.add("policy/abs_old_minus_mu", (pi_old.logp.exp() - mu.logp.exp()).abs()[real])
-    return stats.metrics()
-
-
 def step_metrics(done: "Step", clock: dict, model, cfg: Config) -> dict:
     """A step's metrics: its rewards, completions, times and memory peaks over every process, then update_policy's."""
     rollout, mask = done.rollout, done.rollout.completion_mask
@@ -1638,7 +1629,6 @@ def step_metrics(done: "Step", clock: dict, model, cfg: Config) -> dict:
         "throughput/trained_tokens_per_s": tokens / update_s,
         "memory/rollout_peak_mb": peaks[0].item(),
         "memory/update_peak_mb": peaks[1].item(),
-        **(correction_metrics(done, cfg) if cfg.recompute_old else {}),
         **done.update,
     }
 
@@ -1672,7 +1662,20 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ============================================================================ the offline demo
-# GSM8K-shaped arithmetic problems and a tiny model warm-started on them.
+# With no --model: GSM8K-shaped arithmetic problems, a tiny model warm-started on them, and these settings in place of
+# Config's single-GPU defaults.
+DEMO_DEFAULTS = dict(
+    dataset="arithmetic",
+    max_new_tokens=16,
+    steps=200,
+    updates_per_step=2,
+    micro_batch_size=128,
+    learning_rate=1e-4,
+    eval_every=20,
+    eval_n=500,
+    eval_batch_size=250,
+)
+
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
     ("+", "{n} has {a} {x}. {n} gets {b} more. How many {x} does {n} have now?"),
