@@ -4343,9 +4343,11 @@ def test_cuda_torchrun_one_process_with_nccl_and_fsdp2_mixed_precision(demo_cach
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_throughput(tmp_path):
+def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_throughput(tmp_path, monkeypatch):
     """A random model of Qwen2.5-0.5B's shape and vocabulary (151,936 rows; the tokenizer is the tiny one), one RL
-    step at the single-GPU defaults: P = 32, G = 8, up to 512 new tokens (a random model rarely stops: 512)."""
+    step at the single-GPU defaults: P = 32, G = 8, up to 512 new tokens (a random model rarely stops: 512). Its
+    rewards are all 0, so A = 0 on every row: the update computes every row anyway, as it would if each moved pi."""
+    monkeypatch.setattr(dppo, "rows_that_move_pi", every_row_computed)
     shape = dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
     heads = dict(num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6)
     checkpoint = write_tiny_checkpoint(tmp_path / "qwen25-05b-shape", **shape, **heads)
