@@ -1038,7 +1038,6 @@ def test_cispo_defaults_leave_no_lower_bound_and_cap_the_weight_at_5():
     """CISPO's defaults (MiniMax-M1, arXiv 2506.13585, section 3.1; ScaleRL's cap of 5): the weight in [0, 5]."""
     logp, logp_mu, A = logs(0.001, 0.5).requires_grad_(), logs(0.1, 0.01), torch.ones(1, 1, dtype=torch.float64)
     assert near(d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A)[0], logp), [[-0.01, -5.0]])
-    assert dppo.parse_config(["--objective", "cispo"]).clip_low == 1.0  # allowed: 1 - eps_low = 0, no lower bound
     # C = inf: plain importance weighting, -A * 50; a ratio exactly at 1 + eps_high is not clipped
     assert d_loss_d_logp(dppo.cispo_loss(logp, logp_mu, A, 1.0, math.inf)[0], logp)[0, 1].item() == pytest.approx(-50.0)
     r = torch.exp(logp - logp_mu)[0, 1].item()
@@ -1245,13 +1244,6 @@ def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
     _, blocked, grad = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5))
     assert blocked.tolist() == [[False, True, False, False, False]]
     torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))  # kept: -A r = -pi / mu
-    # the same row inside a padded batch, beside a longer completion: unchanged
-    padded_pi = torch.cat([torch.cat([pi, torch.zeros(1, 3)], 1), log(*[0.9] * 8)[None]])
-    padded_mu = torch.cat([torch.cat([mu, torch.zeros(1, 3)], 1), log(*[0.3] * 8)[None]])
-    padded_mask = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 8])
-    _, padded_blocked, padded_grad = grad_of(dppo.cppo_loss, padded_pi, padded_mu, torch.ones(2, 1), padded_mask)
-    assert torch.equal(padded_blocked[0, :5], blocked[0]) and not padded_blocked[0, 5:].any()
-    torch.testing.assert_close(padded_grad[0], torch.cat([grad[0], torch.zeros(3)]))
     # the upper clamp decides t2: with 2 delta_b_min = 0.10, delta_b = 0.10 and c2 = 0.15 + 0.10 - 0.14 = 0.11 >= 0.095
     _, wider, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5), delta_b_min=0.05)
     assert not wider.any()
@@ -1796,29 +1788,6 @@ def test_token_weights_by_hand_leave_a_zero_row_out_of_every_count(loss_agg):
     assert torch.equal(dppo.token_weights(mask[[0, 2]], loss_agg, max_new_tokens=4), expected[[0, 2]])
 
 
-def make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, logp_mu, topk_logp_mu, entropy_mu):
-    """A Rollout as generate_rollout makes one."""
-    mu = dppo.LogProbs(logp_mu, topk_logp_mu, entropy_mu)
-    return dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * len(prompt_ids))
-
-
-@pytest.mark.parametrize(
-    "loss_agg, expected",
-    [
-        ("token_mean", 14 / 8),  # (4 + 1 + 2 + 3 + 1 + 1 + 1 + 1) / 8 tokens
-        ("seq_mean_token_mean", (4 / 1 + 6 / 3 + 4 / 4) / 3),  # mean of each completion's token mean: 7 / 3
-        ("seq_sum", (4 + 6 + 4) / 3),  # mean of each completion's token sum: 14 / 3
-    ],
-)
-def test_token_weights_aggregate_completions_of_different_lengths(loss_agg, expected):
-    # completions of 1, 3 and 4 tokens in a batch padded to 4; the padding's losses (100) must weigh nothing
-    mask = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
-    loss = torch.tensor([[4.0, 100, 100, 100], [1, 2, 3, 100], [1, 1, 1, 1]])
-    weights = dppo.token_weights(mask, loss_agg)
-    assert (weights * loss).sum().item() == pytest.approx(expected, rel=1e-6)
-    assert (weights[mask == 0] == 0).all()
-
-
 def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
     """8 completions of different lengths after left-padded prompts of different lengths, with a
     made-up mu near uniform, so that some ratios leave every trust region."""
@@ -1832,8 +1801,8 @@ def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
     logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g)
     prompt_ids = torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask
     topk_logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g)
-    mu = (logp_mu, topk_logp_mu, math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
-    rollout = make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, *mu)
+    mu = dppo.LogProbs(logp_mu, topk_logp_mu, math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
+    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B)
     return rollout, torch.randn(B, generator=g)
 
 
@@ -3673,8 +3642,6 @@ def test_demo_defaults_apply_only_without_a_model_and_never_over_a_typed_flag():
     assert dppo.parse_config(["--learning_rate", "3e-4"]).learning_rate == 3e-4
     assert (qwen.dataset, qwen.learning_rate) == ("gsm8k", 1e-6)
     assert dppo.parse_config(["--recompute_old"]).recompute_old and not demo.recompute_old
-    with pytest.raises(SystemExit):
-        dppo.parse_config(["--objective", "no_such_objective"])
 
 
 def test_objective_defaults_give_way_to_typed_flags():
@@ -3682,8 +3649,6 @@ def test_objective_defaults_give_way_to_typed_flags():
     assert (dcpo.advantage, dcpo.loss_agg) == ("sas", "seq_sum")
     assert dppo.parse_config(["--objective", "dcpo", "--loss_agg", "token_mean"]).loss_agg == "token_mean"
     assert (dppo.parse_config([]).advantage, dppo.parse_config([]).loss_agg) == ("grpo", "token_mean")
-    assert dppo.parse_config(["--objective", "topk_kl"]).delta_low == 0.05
-    assert dppo.parse_config(["--objective", "topk_tv"]).delta_low == 0.15
     assert dppo.parse_config(["--objective", "binary_kl", "--delta_high", "0.1"]).delta_high == 0.1
     assert dppo.parse_config([]).is_cap == math.inf and dppo.parse_config(["--is_cap", "5"]).is_cap == 5.0
     cispo, gspo = dppo.parse_config(["--objective", "cispo"]), dppo.parse_config(["--objective", "gspo"])
@@ -3759,8 +3724,8 @@ def equivalence_batch(model) -> tuple:
     logp_mu = (logp + 0.7 * torch.randn(B, T, generator=generator)).clamp(max=-1e-3)
     logp_mu[:, ::3] = math.log(0.5)  # far above the random model's pi ~ 1/300: the binary TV is large there
     topk_ids = torch.cat([completion_ids[..., None], torch.randint(200, 300, (B, T, K - 1), generator=generator)], -1)
-    mu = (logp_mu, logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T))
-    rollout = make_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, *mu)
+    mu = dppo.LogProbs(logp_mu, logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T))
+    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B)
     return rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 1.0, -1.0])
 
 
