@@ -78,8 +78,6 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 from transformers import PreTrainedTokenizerFast, Qwen2Config, StaticCache
-from transformers.cache_utils import StaticLayer
-from transformers.generation.utils import ALL_CACHE_NAMES
 
 from rewards import extract_answer, extract_gold, reward
 
@@ -218,7 +216,6 @@ class LogProbs(NamedTuple):
     entropy: Optional[torch.Tensor]  # (B, T)    full-vocabulary entropy of p(. | s_t)
 
     def select(self, rows: torch.Tensor, T: int) -> "LogProbs":
-        """These rows' first T tokens."""
         return LogProbs(*(None if x is None else x[rows, :T] for x in self))
 
 
@@ -519,15 +516,12 @@ def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_h
 
 def dppo_divergence(objective: str, pi: LogProbs, anchor: LogProbs) -> torch.Tensor:
     """D for a DPPO objective: anchor(. | s_t) and pi(. | s_t) coarsened to {a_t, the rest} or {top K, the rest}."""
-    if objective == "binary_tv":
-        return binary_tv(logp=pi.logp, logp_anchor=anchor.logp)
-    elif objective == "binary_kl":
-        return binary_kl(logp=pi.logp, logp_anchor=anchor.logp)
-    elif objective == "topk_tv":
-        return topk_tv(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
-    elif objective == "topk_kl":
-        return topk_kl(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
-    raise ValueError(f"{objective!r} is not a DPPO objective")
+    divergence = dict(binary_tv=binary_tv, binary_kl=binary_kl, topk_tv=topk_tv, topk_kl=topk_kl).get(objective)
+    if divergence is None:
+        raise ValueError(f"{objective!r} is not a DPPO objective")
+    if objective.startswith("binary_"):
+        return divergence(logp=pi.logp, logp_anchor=anchor.logp)
+    return divergence(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
 
 
 # DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
@@ -597,15 +591,10 @@ def policy_logprobs(model, batch, temperature, precision="fp32", with_topk=False
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
     no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the output layer runs in chunks instead
+    hidden_states_only = dict(use_cache=False, logits_to_keep=no_logits, output_hidden_states=True)
     with autocast(model, precision):
-        hidden = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=no_logits,
-            output_hidden_states=True,
-        ).hidden_states[-1][:, -T - 1 : -1]  # after the final norm, at the positions that predict a_1 .. a_T
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **hidden_states_only)
+        hidden = out.hidden_states[-1][:, -T - 1 : -1]  # after the final norm, at the positions that predict a_1 .. a_T
         topk_ids = batch.topk_ids if with_topk else None
         lm_head = model.get_output_embeddings()
         return logprobs_in_chunks(lm_head, hidden, batch.completion_ids, topk_ids, temperature, with_entropy)
@@ -623,8 +612,7 @@ def logprobs_in_chunks(lm_head, hidden, targets, topk_ids, temperature, with_ent
     chunks = [in_chunk(lm_head, *args, temperature, with_entropy) for args in zip(hidden, targets, topk_ids)]
     logp, topk_logp, entropy = ([chunk[i] for chunk in chunks] for i in range(3))
     topk_logp = torch.cat(topk_logp).unflatten(0, (B, T)) if topk_ids[0] is not None else None
-    entropy = torch.cat(entropy).view(B, T) if with_entropy else None
-    return LogProbs(torch.cat(logp).view(B, T), topk_logp, entropy)
+    return LogProbs(torch.cat(logp).view(B, T), topk_logp, torch.cat(entropy).view(B, T) if with_entropy else None)
 
 
 def chunk_logprobs(lm_head, hidden, targets, topk_ids, temperature, with_entropy):
@@ -697,14 +685,12 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
         try:
             done = rl_step(step, model, sampler, tokenizer, optimizer, problems, run.reward_history, cfg)
         except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
-            model.eval()
             save_model(model, tokenizer, run.output_dir)
             leave_after_rank_0(
                 f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that "
                 f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1}"
             )
-        metrics = step_metrics(done, STEP_CLOCK, model, cfg)  # rewards, lengths, time, memory, and the update's
-        run.log(step, metrics)
+        metrics = run.log(step, step_metrics(done, STEP_CLOCK, model, cfg))  # rewards, lengths, time, memory, update
         if step % cfg.eval_every == 0 or step == run.last_step:
             accuracy = run.log(step, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
         run.show_progress(metrics, accuracy)
@@ -844,8 +830,7 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
         w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
         D = binary_tv(logp=logp.float(), logp_anchor=logp_anchor.float().clamp(min=LOG_EPS)) * real
         Z = w * D
-        S = Z.cumsum(-1) - Z  # over the tokens before t, kept or blocked
-        W = w.cumsum(-1) - w
+        S, W = Z.cumsum(-1) - Z, w.cumsum(-1) - w  # over the tokens before t, kept or blocked
         quantile = torch.nanquantile(torch.where(real, D, math.nan), 0.9, dim=-1, keepdim=True)  # linear, as UniRL
         delta_b = quantile.clamp(delta_b_min, 2 * delta_b_min)
         c = (delta + delta_b * W - S).clamp(max=delta)
@@ -990,11 +975,9 @@ class Run(contextlib.ExitStack):
         return values
 
     def show_progress(self, metrics: dict, accuracy: float):  # as a person reads them: tqdm would print 1.02e+4
-        self.steps.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}",
-            acc=f"{accuracy:.1%}",
-            blocked=f"{metrics['trust_region/blocked_frac']:.2%}",
-            gen_tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
+        self.steps.set_postfix_str(
+            f"acc={accuracy:.1%}, blocked={metrics['trust_region/blocked_frac']:.2%}, "
+            f"gen_tok_s={metrics['throughput/generated_tokens_per_s']:.0f}, reward={metrics['reward/mean']:.3f}"
         )
 
     def stop_requested(self) -> bool:  # a collective: every process stops after the same step
@@ -1437,22 +1420,9 @@ def in_bf16(precision: str, device: torch.device) -> bool:
 
 def static_cache(model, length: int) -> dict:
     """--generation_cache static: a KV cache allocated once, `length` long, so that every call has the same shapes
-    and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move)."""
-    cache = StaticCache(model.config, max_cache_len=length)  # its values keep their own dtype, see StaticLayerOwnDtypes
-    cache.layers = [StaticLayerOwnDtypes(x.max_cache_len) if type(x) is StaticLayer else x for x in cache.layers]
-    cache_name = "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"  # generate()'s name for it, as installed
-    return {cache_name: cache, "disable_compile": isinstance(model, FSDPModule)}
-
-
-class StaticLayerOwnDtypes(StaticLayer):
-    """transformers' static cache layer, its values kept in their own dtype as a dynamic cache keeps them: under bf16
-    autocast RoPE turns the keys fp32 while the values stay bf16, and StaticLayer would store both as the keys."""
-
-    def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        if self.values.dtype != value_states.dtype:
-            self.values = self.values.to(value_states.dtype)
-            torch._dynamo.mark_static_address(self.values)  # as StaticLayer's own: a CUDA graph may hold it
+    and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move). Its values
+    keep their own dtype (transformers >= 5.24): under bf16 autocast RoPE turns the keys fp32, the values stay bf16."""
+    return {"cache": StaticCache(model.config, max_cache_len=length), "disable_compile": isinstance(model, FSDPModule)}
 
 
 # -------- checkpoints
@@ -1663,18 +1633,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 # ============================================================================ the offline demo
 # With no --model: GSM8K-shaped arithmetic problems, a tiny model warm-started on them, and these settings in place of
-# Config's single-GPU defaults.
-DEMO_DEFAULTS = dict(
-    dataset="arithmetic",
-    max_new_tokens=16,
-    steps=200,
-    updates_per_step=2,
-    micro_batch_size=128,
-    learning_rate=1e-4,
-    eval_every=20,
-    eval_n=500,
-    eval_batch_size=250,
-)
+# Config's single-GPU defaults: the task and its evaluation, then the training schedule.
+DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, eval_every=20, eval_n=500, eval_batch_size=250)
+DEMO_DEFAULTS |= dict(steps=200, updates_per_step=2, micro_batch_size=128, learning_rate=1e-4)
 
 
 ARITHMETIC_TEMPLATES = [  # (operation, question); {n} is a name, {x} a plural noun
@@ -1760,8 +1721,7 @@ def warm_up(model, tokenizer, problems, dev, target_accuracy, batch_size=64, lr=
         mask = targets.attention_mask
         prompt = dict(prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask)
         pairs = SimpleNamespace(**prompt, completion_ids=targets.input_ids, completion_mask=mask)
-        logp = policy_logprobs(model, pairs, 1.0).logp
-        loss = -(logp * mask).sum() / mask.sum()
+        loss = -(policy_logprobs(model, pairs, 1.0).logp * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

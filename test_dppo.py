@@ -2458,11 +2458,10 @@ def test_the_static_cache_hands_generate_one_prompt_and_cache_length_all_run(dem
     for split, rows in (("train", train[:64]), ("test", problems["test"][:12])):
         (tmp_path / "data" / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     shapes, generate = [], Qwen2ForCausalLM.generate
-    cache_name = "cache" if "cache" in dppo.ALL_CACHE_NAMES else "past_key_values"  # generate()'s, as installed
 
     def recorded(model, **kwargs):
         longest = int(kwargs["attention_mask"].sum(1).max())
-        shapes.append((longest, kwargs["input_ids"].shape[1], kwargs[cache_name].layers[0].max_cache_len))
+        shapes.append((longest, kwargs["input_ids"].shape[1], kwargs["cache"].layers[0].max_cache_len))
         return generate(model, **kwargs)
 
     monkeypatch.setattr(Qwen2ForCausalLM, "generate", recorded)
