@@ -686,9 +686,10 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
             done = rl_step(step, model, sampler, tokenizer, optimizer, problems, run.reward_history, cfg)
         except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
             save_model(model, tokenizer, run.output_dir)
+            run.log(step, {"stopped_nonfinite": 1})  # a study's record of where the run broke
             leave_after_rank_0(
                 f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that "
-                f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1}"
+                f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1} and the stop"
             )
         metrics = run.log(step, step_metrics(done, STEP_CLOCK, model, cfg))  # rewards, lengths, time, memory, update
         if step % cfg.eval_every == 0 or step == run.last_step:
@@ -1385,7 +1386,7 @@ def all_gathered_objects(item) -> list:
     return items
 
 
-# -------- generation: prompts to tokens, tokens to text, bf16 autocast, the static cache
+# -------- generation (prompts to tokens, tokens to text, bf16 autocast, the static cache), then checkpoints
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
@@ -1423,9 +1424,6 @@ def static_cache(model, length: int) -> dict:
     and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move). Its values
     keep their own dtype (transformers >= 5.24): under bf16 autocast RoPE turns the keys fp32, the values stay bf16."""
     return {"cache": StaticCache(model.config, max_cache_len=length), "disable_compile": isinstance(model, FSDPModule)}
-
-
-# -------- checkpoints
 
 
 def save_model(model, tokenizer, directory: Path):

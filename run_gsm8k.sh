@@ -5,6 +5,7 @@
 # a finished run is skipped, an unfinished one resumes from its last checkpoint (--save_every, default 10 steps; one
 # with no checkpoint yet starts over, saying so), and a record whose flags (model included) or commit differ from the
 # run asked for is refused in one line naming the flag and the record's directory: never skipped, never overwritten.
+# A run that stops on a non-finite loss is finished as a record marked with its step; the study goes on.
 #
 #   bash run_gsm8k.sh                                            # GSM8K, all twelve objectives, Qwen2.5-0.5B-Instruct, one GPU
 #   bash run_gsm8k.sh --objectives "ppo_clip topk_tv" --steps 50 --model Qwen/Qwen2.5-1.5B-Instruct
@@ -150,8 +151,11 @@ if ((!report_only)); then
              rm -rf "$record"; resume=()
              python "$here/figures/study.py" start "$record" -- "${flags[@]}" ;;
       esac
-      python "$here/dppo.py" "${flags[@]}" --output_dir "$record" "${resume[@]}"
-      python "$here/figures/study.py" finish "$record" "${keep_models[@]}"
+      if python "$here/dppo.py" "${flags[@]}" --output_dir "$record" "${resume[@]}"; then
+        python "$here/figures/study.py" finish "$record" "${keep_models[@]}"
+      else  # a run stopped by a non-finite loss is a record too, marked so; any other failure ends the study here
+        python "$here/figures/study.py" finish "$record" --stopped "${keep_models[@]}"
+      fi
     done
   done
 fi

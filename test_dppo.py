@@ -2525,7 +2525,8 @@ def test_a_non_finite_loss_stops_the_run_naming_step_and_objective_after_saving(
     assert "stopped at step 2 (dcpo): non-finite loss" in str(exit_info.value.code)
     saved = Qwen2ForCausalLM.from_pretrained(tmp_path / "run")
     assert all(torch.isfinite(w).all() for w in saved.state_dict().values())  # the bad update was not applied
-    assert logged_steps(tmp_path / "run") == [0, 1]
+    assert logged_steps(tmp_path / "run") == [0, 1, 2]  # step 2's record is the stop alone
+    assert set(records(tmp_path / "run")[-1]) == {"step", "stopped_nonfinite", "time/elapsed_s"}
 
 
 # ---------------------------------------------------------------------------- real tokenizers and checkpoints
@@ -3584,6 +3585,28 @@ def test_the_readme_study_runs_in_pieces_on_the_demo_model(demo_cache, tmp_path)
     assert mixed.returncode == 1 and "the records come from 2 cpus" in mixed.stderr
 
 
+def test_a_study_records_a_run_stopped_by_a_non_finite_loss_and_goes_on_but_ends_on_any_other_failure(
+    demo_cache, tmp_path
+):
+    """An absurd learning rate: update 1 moves the weights by about 1e30, update 2's loss is NaN, so each run stops
+    at step 1; both are finished records marked with that step, and the report follows. A run that failed otherwise
+    (its metrics end without the stop) is refused, exit 2, which ends the study (set -e)."""
+    out = tmp_path / "study"
+    tiny = f"--cache_dir {demo_cache} --prompts_per_step 4 --samples_per_prompt 4 --eval_n 8 --learning_rate 1e30"
+    study = ["bash", str(HERE / "run_gsm8k.sh"), "--demo", "--objectives", "ppo_clip pg", "--steps", "3"]
+    result = subprocess.run([*study, "--out", out, "--", *tiny.split()], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("ppo_clip", "pg"):
+        provenance = json.loads((out / f"{name}-seed0" / "provenance.json").read_text())
+        assert provenance["finished"] and provenance["stopped_nonfinite_at_step"] == 1
+        assert sorted(path.name for path in (out / f"{name}-seed0").iterdir()) == ["metrics.jsonl", "provenance.json"]
+    assert (out / "results.md").exists()
+    (out / "pg-seed0" / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')  # no stop in it
+    finish = ["python", str(HERE / "figures" / "study.py"), "finish", str(out / "pg-seed0"), "--stopped"]
+    refused = subprocess.run(finish, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not on a non-finite loss" in refused.stderr
+
+
 def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_refuses_a_record_of_other_flags(
     demo_cache, tmp_path
 ):
@@ -3618,7 +3641,7 @@ def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_ref
 
 def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
     """The README's command redraws the seeded study's tables and figure from figures/'s records; each line of its
-    tables (but the per-run one, kept in results.md) stands in the README as drawn."""
+    tables (but where each run broke and the per-run one, kept in results.md) stands in the README as drawn."""
     readme = (HERE / "README.md").read_text(encoding="utf-8")
     command = re.search(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M)
     shutil.copytree(HERE / command.group(1), tmp_path / command.group(1))
@@ -3626,7 +3649,7 @@ def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
     result = subprocess.run([*report, "--figure", "curves.png"], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     readme_lines = set(readme.splitlines())
-    drawn = (tmp_path / command.group(1) / "results.md").read_text().split("\nPer run, mean")[0]  # the per-run table
+    drawn = (tmp_path / command.group(1) / "results.md").read_text().split("\nWhere each run broke")[0]
     assert [line for line in drawn.splitlines() if line not in readme_lines] == []  # stays in results.md alone
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -3902,7 +3925,7 @@ def test_a_non_finite_loss_under_torchrun_leaves_the_whole_model_rank_0_names(de
     assert said == [str(tmp_path / "run")], result.stderr[-3000:]  # rank 0 said it: it was not stopped before
     assert result.returncode != 0
     assert all(torch.isfinite(w).all() for w in AutoModelForCausalLM.from_pretrained(said[0]).state_dict().values())
-    assert logged_steps(tmp_path / "run") == [0]
+    assert logged_steps(tmp_path / "run") == [0, 1] and "stopped_nonfinite" in records(tmp_path / "run")[-1]
 
 
 def step_records_so_far(run_dir: Path) -> list[dict]:

@@ -2,7 +2,7 @@
 
     python figures/study.py start RUN_DIR -- DPPO_FLAGS...   # provenance.json: commit, machine, flags, versions
     python figures/study.py state RUN_DIR -- DPPO_FLAGS...   # finished, resume or new; exit 2 if the record differs
-    python figures/study.py finish RUN_DIR                   # marks the run finished; deletes its model's files
+    python figures/study.py finish RUN_DIR [--stopped]       # marks the run finished; deletes its model's files
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
 
 A run's record is RUN_DIR = DIR/<name>-seed<seed>/ with provenance.json and dppo.py's metrics.jsonl; a record is
@@ -78,11 +78,18 @@ def start(run_dir: Path, flags: list[str]):
     (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
 
 
-def finish(run_dir: Path, keep_models: bool):
+def finish(run_dir: Path, keep_models: bool, stopped: bool = False):
+    """Marks the run finished; with stopped (dppo.py failed), only a run that stopped on a non-finite loss, which
+    keeps its step as where it broke: any other failure is refused, exit 2, and ends the study."""
+    provenance = json.loads((run_dir / "provenance.json").read_text())
+    if stopped:
+        last = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()][-1]
+        if "stopped_nonfinite" not in last:
+            refuse(f"dppo.py failed in {run_dir}, not on a non-finite loss: see its message above")
+        provenance["stopped_nonfinite_at_step"] = last["step"]
     for path in run_dir.iterdir():  # the trained model: the study keeps its numbers, not its weights
         if path.name not in KEPT and not keep_models:
             subprocess.run(["rm", "-rf", str(path)], check=True)
-    provenance = json.loads((run_dir / "provenance.json").read_text())
     provenance["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
 
@@ -180,6 +187,12 @@ def mean_std(values, fmt=".1f") -> str:
 def training(records) -> dict:
     """A run's dynamics: truncation and blocked tokens over its steps, where the blocks sit, the policy's drift."""
     steps = [r for r in records if "reward/mean" in r]
+    if not steps:  # a run that broke at its first step
+        return dict.fromkeys(["reward end", "truncated first", "truncated end", "blocked", "at branching"], None) | {
+            "A<0, falling": None,
+            "drift": None,
+            "minutes": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"] / 60,
+        }
     tokens = [r["completion/length_mean"] for r in steps]  # a step's blocked fraction counts its tokens
     blocked = sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens))
 
@@ -205,6 +218,13 @@ def run_summary(records):
     """The columns of the demo's and the stress test's tables (README): one run's accuracy, drift and blocked tokens."""
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     steps = [r for r in records if "reward/mean" in r]
+    if not steps:  # a run that broke at its first step: its accuracy alone
+        seconds = [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"]
+        return (
+            {key: None for key in SUMMARY_KEYS}
+            | {"before": evals[0], "final": evals[-1], "lowest": min(evals)}
+            | {"seconds": seconds}
+        )
     end = steps[-END:]
     tokens = [r["completion/length_mean"] for r in steps]  # every step has P x G completions: weights by token count
     blocked = sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens))
@@ -228,6 +248,53 @@ def run_summary(records):
         "tv_too": share_of_blocked("trust_region/blocked_also_by_tv_frac"),
         "seconds": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"],
     }
+
+
+SUMMARY_KEYS = "before final lowest truncated drift drift_max mismatch blocked rare_blocked rare_all tv_too".split()
+BREAK_POINTS = 5  # a run breaks where an evaluation is this many points or more below its own step-0 accuracy
+
+
+def breaking(provenance: dict, records) -> dict:
+    """Where a run broke, if it did: its first evaluation BREAK_POINTS or more below its own step-0 accuracy, or the
+    step whose loss was non-finite (dppo.py stopped there), whichever came first; and the run's extremes."""
+    evals = accuracies(records)
+    fell = [step for step in sorted(evals) if round(evals[0] - evals[step], 6) >= BREAK_POINTS]
+    stopped = provenance.get("stopped_nonfinite_at_step")
+    grad_norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+    if stopped is not None and (not fell or stopped <= fell[0]):
+        broke = f"step {stopped} (non-finite loss)"
+    else:
+        broke = f"step {fell[0]} ({evals[fell[0]]:.1f}%)" if fell else "none"
+    return {
+        "step 0": f"{evals[0]:.1f}",
+        "last evaluation": f"{evals[max(evals)]:.1f} (step {max(evals)})",
+        "lowest": f"{min(evals.values()):.1f}",
+        "broke at": broke,
+        "largest gradient norm": f"{max(grad_norms):.3g}" if grad_norms else "–",
+    }
+
+
+def breaking_table(finished, names, seeds) -> list[str]:
+    """Per run, where it broke (BREAK_POINTS below its step-0 accuracy, or a non-finite loss) and its extremes."""
+    columns = ["step 0", "last evaluation", "lowest", "broke at", "largest gradient norm"]
+    lines = [
+        "",
+        f"Where each run broke: its first evaluation {BREAK_POINTS} points or more below its own step-0 accuracy, or "
+        "the step whose loss was non-finite (the run stopped there); held-out accuracy (%) at step 0, at its last "
+        "evaluation and its lowest; the largest of its steps' gradient norms (each the mean over the step's "
+        "optimizer steps, before clipping):",
+        "",
+        "| name | seed | " + " | ".join(columns) + " |",
+        "|---" * (2 + len(columns)) + "|",
+    ]
+    for name in names:
+        runs = {seed: breaking(*finished[name, seed]) for seed in seeds if (name, seed) in finished}
+        for seed, run in runs.items():
+            lines.append(f"| `{name}` | {seed} | " + " | ".join(run[c] for c in columns) + " |")
+        if runs:
+            broken = sum(run["broke at"] != "none" for run in runs.values())
+            lines.append(f"| `{name}` | broke on | {broken} of {len(runs)} seeds |" + " |" * (len(columns) - 1))
+    return lines
 
 
 def summary_table(finished, names, seeds) -> list[str]:
@@ -371,6 +438,7 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
         if any(finished[name, seed][0].get("shared_cpu") for seed in seeds if (name, seed) in finished):
             cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += breaking_table(finished, names, seeds)
     lines += summary_table(finished, names, seeds)
     if absent:
         lines += ["", f"Not in the tables: {'; '.join(absent)}."]
@@ -452,6 +520,6 @@ if __name__ == "__main__":
     if command == "start":
         start(Path(run_dir), rest[1:] if rest[:1] == ["--"] else rest)
     elif command == "finish":
-        finish(Path(run_dir), keep_models=rest == ["--keep_models"])
+        finish(Path(run_dir), keep_models="--keep_models" in rest, stopped="--stopped" in rest)
     elif command == "state":
         print(state(Path(run_dir), rest[1:] if rest[:1] == ["--"] else rest))
