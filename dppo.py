@@ -77,7 +77,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
-from transformers import PreTrainedTokenizerFast, Qwen2Config, StaticCache
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedTokenizerFast, Qwen2Config, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from rewards import extract_answer, extract_gold, reward
 
@@ -260,8 +262,8 @@ class SamplingRecorder(LogitsProcessor):
         ids, top_logp = self.topk_ids[len(self.logp_mu)], self.topk_logp_mu[len(self.logp_mu)]
         # Outside mu's top K, the sampled token takes the K-th slot; the token it evicts joins "the rest" (DPPO's code).
         outside = ~(ids == tokens[:, None]).any(-1)
-        ids[outside, -1] = tokens[outside]
-        top_logp[outside, -1] = logp[outside]
+        ids[:, -1] = torch.where(outside, tokens, ids[:, -1])  # not ids[outside]: no wait for the GPU every step
+        top_logp[:, -1] = torch.where(outside, logp, top_logp[:, -1])
         self.logp_mu.append(logp)
         self.pending = None
 
@@ -1233,6 +1235,7 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
         tokenizer.pad_token = tokenizer.eos_token
     # EOS ids only: generate() would take every unset setting from the checkpoint's (Qwen2.5: top_k 20, top_p 0.8, ...)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+    model.set_attn_implementation("sdpa_packed_decode")  # SDPA as before; see packed_decode_attention
     return model, tokenizer
 
 
@@ -1424,6 +1427,22 @@ def static_cache(model, length: int) -> dict:
     and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move). Its values
     keep their own dtype (transformers >= 5.24): under bf16 autocast RoPE turns the keys fp32, the values stay bf16."""
     return {"cache": StaticCache(model.config, max_cache_len=length), "disable_compile": isinstance(model, FSDPModule)}
+
+
+def packed_decode_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA, but a decode step packs each KV head's group of query heads as its query rows compiled too
+    (transformers packs them uncompiled only): the KV cache is read once, not copied per head (README, GPU)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] > 1 or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    B, H, _, D = query.shape
+    packed = query.view(B, H // groups, groups, D)  # (B, H, 1, D) -> (B, H_kv, H / H_kv, D)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attention_mask, scale=kwargs["scaling"])
+    return out.reshape(B, 1, H, D), None  # as transformers' attention functions return it
+
+
+AttentionInterface.register("sdpa_packed_decode", packed_decode_attention)
+AttentionMaskInterface.register("sdpa_packed_decode", sdpa_mask)  # its masks are SDPA's
 
 
 def save_model(model, tokenizer, directory: Path):

@@ -58,6 +58,7 @@ HERE = Path(__file__).parent
 if getattr(pytest.mark, "_config", None) is not None:
     pytest.mark._config.addinivalue_line("markers", "cuda: needs a CUDA GPU (python -m pytest -q -m cuda -s)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (-m cuda)")
+CUDA_MARKS = [pytest.mark.cuda, needs_cuda]
 
 
 # ---------------------------------------------------------------------------- rewards
@@ -343,14 +344,18 @@ def test_the_plain_lines_of_policy_logprobs_docstring_give_its_logp(tiny_policy)
     assert torch.allclose(namespace["logp"][m], logp[m], atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_the_plain_lines_of_the_sampling_recorders_docstring_give_what_it_records(tiny_policy, cache):
+@pytest.mark.parametrize(
+    "cache, device", [("dynamic", "cpu"), ("static", "cpu"), pytest.param("static", "cuda", marks=CUDA_MARKS)]
+)
+def test_the_plain_lines_of_the_sampling_recorders_docstring_give_what_it_records(tiny_policy, cache, device):
     """The plain torch in SamplingRecorder's docstring (generate with its logits returned, then log_softmax(logits /
     tau) at the sampled tokens, mu's top K and entropy), run from the same seed on generate's own inputs, gives what
-    the recorder records a step at a time, under either KV cache: a one-step lag would pair step t's logits with
-    step t+1's token."""
-    model, tokenizer = tiny_policy
+    the recorder records a step at a time, under either KV cache, and on a GPU through generate's compiled step (and
+    packed_decode_attention: the tiny model has 2 query heads to a KV head): a one-step lag would pair step t's
+    logits with step t+1's token."""
+    model, tokenizer = tiny_policy if device == "cpu" else (copy.deepcopy(tiny_policy[0]).to(device), tiny_policy[1])
     cfg = config(temperature=0.8, topk=5, max_new_tokens=12, generation_cache=cache, max_prompt_tokens=64)
+    cfg = dataclasses.replace(cfg, precision="fp32")  # the plain lines run no autocast
     prompts = [dppo.format_prompt(tokenizer, q) for q in ("There are 7 rows of 4 eggs.", "Ann has 3 pens.")] * 2
     plain = [line.strip() for line in dppo.SamplingRecorder.__doc__.splitlines() if line.startswith("        ")]
     names = [line.split(" = ")[0] for line in plain]
