@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -3588,6 +3589,71 @@ def test_the_readme_study_runs_in_pieces_on_the_demo_model(demo_cache, tmp_path)
     (out / f"{names[1]}-seed0" / "provenance.json").write_text(json.dumps(elsewhere))
     mixed = subprocess.run([*report, "--seeds", "0"], capture_output=True, text=True, timeout=120)
     assert mixed.returncode == 1 and "the records come from 2 cpus" in mixed.stderr
+
+
+def test_a_record_names_its_model_file_by_name_and_hash_so_a_study_resumes_from_another_checkout(tmp_path):
+    """A GGUF file given to --model is recorded by name and sha256, not by the path of the machine that ran it: the
+    same file elsewhere (another virtual environment) continues the study; another file of that name is refused; an
+    older record, which holds the path, is read by the file's name."""
+    study = [sys.executable, str(HERE / "figures" / "study.py")]
+    here, there = tmp_path / "venv-a" / "model.gguf", tmp_path / "venv-b" / "model.gguf"
+    for path, content in ((here, b"weights"), (there, b"weights")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    run = tmp_path / "study" / "pg-seed0"
+
+    def call(command, model, *more):
+        flags = ["--model", str(model), "--objective", "pg", *more]
+        return subprocess.run([*study, command, str(run), "--", *flags], capture_output=True, text=True, timeout=120)
+
+    assert call("start", here).returncode == 0
+    provenance = json.loads((run / "provenance.json").read_text())
+    assert provenance["flags"][:2] == ["--model", "model.gguf"] and str(tmp_path) not in json.dumps(provenance)
+    assert provenance["model_file"] == {"name": "model.gguf", "sha256": hashlib.sha256(b"weights").hexdigest()}
+    assert call("state", there).stdout.strip() == "new"  # started, no checkpoint yet: not refused
+    assert "--seed" in call("state", there, "--seed", "1").stderr  # any other flag still counts
+    there.write_bytes(b"other weights")
+    refused = call("state", there)
+    assert refused.returncode == 2 and "not of this model.gguf" in refused.stderr
+    older = provenance | {"flags": ["--model", str(here), "--objective", "pg"]}
+    del older["model_file"]
+    (run / "provenance.json").write_text(json.dumps(older))
+    assert call("state", there).stdout.strip() == "new"  # an older record: by the file's name
+
+
+def test_the_compare_table_has_a_column_per_record_directory_and_pools_none(tmp_path):
+    """study.py compare: a column per directory (each holding one kind of machine), per name the mean ± std at the
+    step asked and each seed's value; a name a directory lacks is "not run"."""
+    for seed, accuracy in ((0, 0.5), (1, 0.7)):
+        write_metrics(
+            tmp_path / "a" / f"pg-seed{seed}",
+            [0.3, 0.4, accuracy],
+            blocked=[0, 0],
+            blocked_rare=[0, 0],
+            lengths=[10, 20],
+        )
+    write_metrics(tmp_path / "b" / "pg-seed0", [0.3, 0.2, 0.1], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20])
+    write_metrics(
+        tmp_path / "b" / "ppo_clip-seed1", [0.3, 0.2, 0.9], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20]
+    )
+    command = [
+        sys.executable,
+        str(HERE / "figures" / "study.py"),
+        "compare",
+        "--names",
+        "pg ppo_clip",
+        "--seeds",
+        "0 1",
+    ]
+    command += ["--column", f"first={tmp_path / 'a'}", "--column", f"second={tmp_path / 'b'}"]
+    result = subprocess.run([*command, "--step", "4"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = {
+        line.split("`")[1]: line.strip("| ").split(" | ")[1:] for line in result.stdout.splitlines() if "| `" in line
+    }
+    assert rows["pg"] == ["60.0 ± 14.1 (50.0 / 70.0; seeds 0, 1)", "10.0 (10.0; seeds 0)"]
+    assert rows["ppo_clip"] == ["not run", "90.0 (90.0; seeds 1)"]
+    assert result.stdout.count("- first:") == result.stdout.count("- second:") == 1
 
 
 def test_a_study_records_a_run_stopped_by_a_non_finite_loss_and_goes_on_but_ends_on_any_other_failure(

@@ -4,6 +4,7 @@
     python figures/study.py state RUN_DIR -- DPPO_FLAGS...   # finished, resume or new; exit 2 if the record differs
     python figures/study.py finish RUN_DIR [--stopped]       # marks the run finished; deletes its model's files
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
+    python figures/study.py compare --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" --step 20
 
 A run's record is RUN_DIR = DIR/<name>-seed<seed>/ with provenance.json and dppo.py's metrics.jsonl; a record is
 finished once provenance.json says so. The report (DIR/results.md and DIR/curves.png) gives per name the mean ± std
@@ -14,6 +15,7 @@ vector extensions torch dispatches to: bf16 is native on some CPUs, emulated on 
 """
 
 import argparse
+import hashlib
 import json
 import math
 import platform
@@ -60,15 +62,36 @@ def commit() -> str:
     return head + ("-dirty" if changed.stdout.strip() else "")
 
 
+def model_file(flags: list[str]) -> dict | None:
+    """--model's file as {name, sha256} when it is a file (a GGUF): a record names it so, not by the path of the
+    machine that ran it, and a study resumes from another checkout or virtual environment."""
+    values = flag_values(flags)
+    path = Path(values.get("--model", ""))
+    if not values.get("--model") or not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(2**20), b""):
+            digest.update(block)
+    return {"name": path.name, "sha256": digest.hexdigest()}
+
+
+def portable(flags: list[str]) -> list[str]:
+    """The flags with a --model file given by its name alone (its hash is in the record's model_file)."""
+    return [Path(flag).name if i and flags[i - 1] == "--model" else flag for i, flag in enumerate(flags)]
+
+
 def start(run_dir: Path, flags: list[str]):
     import torch
     import transformers
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    file = model_file(flags)
     provenance = {
         "commit": commit(),
         **machine(),
-        "flags": flags,
+        "flags": portable(flags) if file else flags,
+        **({"model_file": file} if file else {}),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -125,6 +148,13 @@ def state(run_dir: Path, flags: list[str]) -> str:
     if recorded["commit"] != commit():
         refuse(f"{run_dir} holds a run of commit {recorded['commit'][:12]}, not {commit()[:12]}: give it another --out")
     asked, had = flag_values(flags), flag_values(recorded["flags"])
+    file = model_file(flags)
+    if file and "--model" in had:  # a model file: by its name and, where the record has it, its hash; not its path
+        if Path(had["--model"]).name != file["name"] or recorded.get("model_file", file)["sha256"] != file["sha256"]:
+            refuse(
+                f"{run_dir} holds a run of --model {had['--model']}, not of this {file['name']}: give it another --out"
+            )
+        asked["--model"] = had["--model"]
     for flag in [*asked, *(flag for flag in had if flag not in asked)]:
         if asked.get(flag) != had.get(flag):
             mine, theirs = (
@@ -445,6 +475,34 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
     return "\n".join(lines) + "\n"
 
 
+def compare(columns: list[tuple[str, Path]], names: list[str], seeds: list[str], step: int) -> str:
+    """One table across record directories, a column each (a kind of machine, a sampler): per name, the mean ± std
+    over the finished seeds at `step`, each seed's value. A column is one directory's records, which load_records
+    holds to one commit and one kind of machine; nothing is pooled across columns."""
+    loaded = [(label, directory, *load_records(directory, names, seeds)) for label, directory in columns]
+    lines = [
+        f"Greedy held-out accuracy (%) at step {step}, a column per record directory: mean ± std over the seeds "
+        '(each seed\'s value; its seeds); "not run" where the directory holds no finished run of that name.',
+        "",
+        "| name | " + " | ".join(label for label, *_ in loaded) + " |",
+        "|---" * (1 + len(loaded)) + "|",
+    ]
+    for name in names:
+        cells = []
+        for _, _, finished, _, _ in loaded:
+            runs = {seed: accuracies(finished[name, seed][1]) for seed in seeds if (name, seed) in finished}
+            at = {seed: run[step] for seed, run in runs.items() if step in run}
+            each = " / ".join(f"{value:.1f}" for value in at.values())
+            cells.append(f"{mean_std(list(at.values()))} ({each}; seeds {', '.join(at)})" if at else "not run")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines.append("")
+    for label, directory, finished, _, origin in loaded:
+        flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
+        where = f"`{directory}`, commit {origin['commit'][:7]}, {machine_text(origin)}"
+        lines.append(f"- {label}: {where}; flags `{' '.join(flags)}`")
+    return "\n".join(lines) + "\n"
+
+
 def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
     """Each name's mean over its finished seeds, with the min–max band."""
     import matplotlib
@@ -512,9 +570,20 @@ def main(argv=None):
         print("no figure: `pip install matplotlib` to draw it", file=sys.stderr)
 
 
+def compare_main(argv=None):
+    parser = argparse.ArgumentParser(description="one table across record directories, a column each")
+    parser.add_argument("--column", action="append", required=True, help='"LABEL=DIRECTORY"; repeatable, in order')
+    parser.add_argument("--names", required=True, help='the objectives and variants, e.g. "binary_tv ppo_clip"')
+    parser.add_argument("--seeds", required=True, help='e.g. "0 1 2"')
+    parser.add_argument("--step", type=int, required=True, help="the evaluation step compared")
+    args = parser.parse_args(argv)
+    columns = [(column.split("=", 1)[0], Path(column.split("=", 1)[1])) for column in args.column]
+    print(compare(columns, args.names.split(), args.seeds.split(), args.step), end="")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["report"]:
-        main(sys.argv[2:])
+    if sys.argv[1:2] in (["report"], ["compare"]):
+        (main if sys.argv[1] == "report" else compare_main)(sys.argv[2:])
         sys.exit()
     command, run_dir, *rest = sys.argv[1:]
     if command == "start":
