@@ -194,8 +194,7 @@ class Step(NamedTuple):
 
 
 def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_history, cfg: Config) -> Step:
-    """Sample G completions of each of the step's P prompts, reward them, turn the rewards into advantages, anchor
-    the trust region, update pi."""
+    """Sample G completions of each of P prompts, reward them, derive advantages, anchor the trust region, update pi."""
     indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, step)  # the step's P prompts
     batch, rollout = sample(sampler, tokenizer, [problems[i] for i in indices], cfg)  # G completions each, and mu
     rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
@@ -231,13 +230,11 @@ class SamplingRecorder(LogitsProcessor):
         topk_logp_mu, topk_ids = log_mu.topk(cfg.topk, dim=-1)  # and the sampled token in the K-th slot if outside
         entropy_mu = -(log_mu.exp() * log_mu).sum(-1)
 
-    without the (B, T, V) logits: it sees one step's logits at a time, before the temperature is applied and before
-    that step's token is drawn, so it records step t's token at step t + 1 (input_ids' last column), the last in
-    finish."""
+    without the (B, T, V) logits: it sees one step's logits at a time, before the temperature is applied and before its
+    token is drawn, so it records step t's token at step t + 1 (input_ids' last column), the last in finish."""
 
     def __init__(self, temperature: float, k: int):
-        self.temperature = temperature
-        self.k = k
+        self.temperature, self.k = temperature, k
         self.logp_mu = []  # per step: (B,) log mu(a_t) of the sampled token
         self.topk_ids = []  # (B, K) mu's K most probable ids, the sampled token forced in
         self.topk_logp_mu = []  # (B, K) their log mu
@@ -388,9 +385,8 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
 
 
 def rows_that_move_pi(rows: torch.Tensor, A: torch.Tensor, micro_batch_size: int) -> tuple[tuple, torch.Tensor]:
-    """The micro-batches to compute, of the rows with A != 0 (every loss is a multiple of A or |A|), and the rows left
-    out. Each process runs as many as the busiest (FSDP2's collectives), at least one (AdamW steps on zeros, not None),
-    filling up with rows with A = 0."""
+    """Micro-batches of the rows with A != 0 (every loss is a multiple of A or |A|), and the rows left out; as many as
+    the busiest process's (FSDP2's collectives), at least one (AdamW steps on zeros, not None), filled by A = 0 rows."""
     nonzero = (A[rows] != 0).to(rows.device)
     moving, still = rows[nonzero], rows[~nonzero]
     micro_batches = [moving[i : i + micro_batch_size] for i in range(0, len(moving), micro_batch_size)]
@@ -428,8 +424,7 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 
 def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss and blocked tokens, each objective's thresholds from its flags: DPPO and its
-    baseline below, the neighbours after the training loop."""
+    """--objective's per-token loss and blocked tokens, thresholds from its flags (the neighbours: after train)."""
     logp, logp_anchor, A = pi.logp, anchor.logp, advantages
     clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     if cfg.objective == "pg":
@@ -710,8 +705,7 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
 
 # ============================================================================ the neighbours and the paper's ablation
 # Not DPPO nor its baseline: the trust regions the DPPO paper and its sequels compare against, which objective_loss
-# picks by --objective (a ratio clip, an entropy gate, a weight clip, a sequence-level ratio, or DPPO's mask reshaped),
-# and the paper's ablation, the trust region anchored to pi_old (rl_step's --recompute_old).
+# picks by --objective, and the paper's ablation, the trust region anchored to pi_old (rl_step's --recompute_old).
 
 
 # -------- DCPO (arXiv 2509.02333): smooth advantages (--advantage sas) and a clip whose bounds depend on the anchor
@@ -850,8 +844,7 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
 def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config) -> tuple[LogProbs, torch.Tensor, dict]:
     """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the tokens of the
     completions with A != 0 as far as the objective reads it (zeros elsewhere); the loss's per-token weight is
-    rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old, that weight, and over those tokens the weight,
-    the share it truncated or zeroed, and how far pi_old is from mu."""
+    rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old, that weight, and metrics over those tokens."""
     needs = objective_needs(cfg.objective)
     read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
     pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
@@ -936,12 +929,8 @@ class Run(contextlib.ExitStack):
         super().__init__()
         rank_0 = rank_and_world()[0] == 0
         self.steps = tqdm(range(first_step, last_step + 1), desc=cfg.objective, dynamic_ncols=True, disable=not rank_0)
-        self.last_step = last_step
-        self.reward_history = reward_history
-        self.initial_accuracy = initial_accuracy
-        self.output_dir = output_dir
-        self.device = device
-        self.started = started
+        self.last_step, self.reward_history, self.initial_accuracy = last_step, reward_history, initial_accuracy
+        self.output_dir, self.device, self.started = output_dir, device, started
         metrics_path = output_dir / "metrics.jsonl" if rank_0 else os.devnull
         self.metrics_file = self.enter_context(open(metrics_path, "a" if first_step > 1 else "w"))
         self.tracker = cfg.report_to if rank_0 else "none"
@@ -1300,9 +1289,7 @@ def rank_and_world() -> tuple[int, int]:
 def this_process_share(items, interleaved=False):
     """This process's 1/world of items: contiguous (a step's prompts, advantages) or interleaved (evaluation's)."""
     rank, world = rank_and_world()
-    if interleaved:
-        return items[rank::world]
-    return items[rank * len(items) // world : (rank + 1) * len(items) // world]
+    return items[rank::world] if interleaved else items[rank * len(items) // world : (rank + 1) * len(items) // world]
 
 
 def set_up_device(name: str) -> torch.device:
@@ -1500,6 +1487,7 @@ def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: 
     blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
     p, q = logp.exp(), sampled.mu.logp.exp()
     rare = q < RARE_TOKEN_MU
+    tv = binary_tv(logp=logp, logp_anchor=logp_anchor)  # D of DPPO's binary-TV mask, for the two comparisons below
     stats.add("trust_region/blocked_frac", blocked[real].float())
     stats.add("trust_region/blocked_frac_pos_adv", (blocked & (A > 0))[real].float())
     stats.add("trust_region/blocked_frac_neg_adv", (blocked & (A < 0))[real].float())
@@ -1515,7 +1503,6 @@ def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: 
         stats.add("trust_region/abs_pi_minus_mu_kept", (p - q).abs()[real & ~blocked & (A != 0)])
         stats.add("trust_region/blocked_at_branching_frac", (q < 0.5)[real & blocked].float())  # of blocked tokens
     if cfg.objective in ("ppo_clip", "dcpo", "erc", "gspo"):  # would DPPO's binary-TV mask have blocked them too?
-        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
         tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.delta_low, delta_high=cfg.delta_high)[1]
         stats.add("trust_region/blocked_also_by_tv_frac", (blocked & tv_blocked)[real].float())
     if cfg.objective == "erc":
@@ -1530,7 +1517,6 @@ def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: 
         stats.add("drpo/weight", drpo_weight(logp, logp_anchor, A, cfg.drpo_delta)[real])
         stats.add("drpo/nonpositive_weight_frac", blocked[real].float())
     elif cfg.objective == "cppo":  # blocked by its position weight or budget where DPPO's binary TV at delta keeps it
-        tv = binary_tv(logp=logp, logp_anchor=logp_anchor)
         tv_blocked = dppo_loss(logp, logp_anchor, A, tv, delta_low=cfg.cppo_delta, delta_high=cfg.cppo_delta)[1]
         stats.add("cppo/blocked_beyond_tv_frac", (blocked & ~tv_blocked)[real].float())
 
@@ -1649,8 +1635,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ============================================================================ the offline demo
-# With no --model: GSM8K-shaped arithmetic problems, a tiny model warm-started on them, and these settings in place of
-# Config's single-GPU defaults: the task and its evaluation, then the training schedule.
+# With no --model: GSM8K-shaped arithmetic, a tiny model warm-started on it, and these in place of Config's defaults.
 DEMO_DEFAULTS = dict(dataset="arithmetic", max_new_tokens=16, eval_every=20, eval_n=500, eval_batch_size=250)
 DEMO_DEFAULTS |= dict(steps=200, updates_per_step=2, micro_batch_size=128, learning_rate=1e-4)
 
