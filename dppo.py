@@ -13,16 +13,17 @@ token's gradient only where the update moves it away from mu past delta (eq. 11'
 The paper argues that the clip's cuts fall mostly on rare tokens (see RARE_TOKEN_MU, where the metric is measured).
 
 Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi the policy trained; the
-*anchor* what the trust region measures from: mu as sampled, or pi_old, the policy before the step's first update
-(--recompute_old, the paper's ablation); C an optional cap on r; tau the temperature; B = P x G completions of length T
-(a batch's longest); U updates per rollout; K mu's recorded top K. The algorithm in this file's names, as they run:
+*anchor* what the trust region measures from: mu as sampled, or pi_old, pi before the step's first update
+(--recompute_old, the paper's ablation); C a cap on r; tau the temperature; B = P x G completions of length T; U
+updates per rollout, E passes over it, k its age in steps; K mu's recorded top K. The algorithm in this file's names:
 
     for step in 1 .. steps:                                                        train, rl_step
-        sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample, SamplingRecorder
+        sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample_rewarded, SamplingRecorder
         reward 1/0 for the right final answer                                       rewards.py
         advantages per group of G completions                                       step_advantages, grpo_advantages
+        [--staleness k] queue them; take the rollout sampled k steps ago            rl_step, run.pending
         the anchor is mu as sampled; [--recompute_old] pi_old, with a correction    recompute_anchor
-        U mini-batches, one AdamW step each, on                                     update_policy
+        E passes of U mini-batches, one AdamW step each, on                         update_policy
           sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
           loss_t from log pi, the anchor and A:                                     objective_loss
             pg_loss | ppo_clip_loss
@@ -42,6 +43,7 @@ Simplifications:
 """
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -124,6 +126,8 @@ class Config:
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
     updates_per_step: int = setting(4, "U: mini-batches per rollout batch, one optimizer step each (trust regions: 2+)")
+    ppo_epochs: int = setting(1, "E: passes over each rollout, each reshuffled into U mini-batches (verl's word)")
+    staleness: int = setting(0, "k: train on rollouts sampled k steps earlier (async RL); costs k rollouts' memory")
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -185,25 +189,36 @@ def timed(phase: str):
 
 
 class Step(NamedTuple):
-    """What one RL step made, this process's share of it: for train's metrics."""
+    """What one RL step made, this process's share of it: for train's metrics (pending, under --staleness: no update)"""
 
     rollout: "Rollout"
     rewards: torch.Tensor  # (B,) 0/1
     advantages: torch.Tensor  # (B,)
-    update: dict  # update_policy's metrics (and recompute_anchor's)
+    sampled_at: int  # the step that sampled the rollout, by the policy as the step before it left it
+    update: dict = {}  # update_policy's metrics (and recompute_anchor's)
 
 
-def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, reward_history, cfg: Config) -> Step:
-    """Sample G completions of each of P prompts, reward them, derive advantages, anchor the trust region, update pi."""
-    indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, step)  # the step's P prompts
-    batch, rollout = sample(sampler, tokenizer, [problems[i] for i in indices], cfg)  # G completions each, and mu
-    rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
-    advantages = step_advantages(rewards, indices, reward_history, cfg)
+def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run", cfg: Config) -> Step:
+    """Sample G completions of each of P prompts, reward them, derive advantages, anchor the trust region, update pi.
+    --staleness k: rollouts are sampled k steps before they are trained on; the first k + 1 by the initial policy."""
+    while len(run.pending) <= cfg.staleness and step + len(run.pending) <= run.last_step:  # k rollouts ahead
+        run.pending.append(sample_rewarded(step + len(run.pending), step, sampler, tokenizer, problems, run, cfg))
+    rollout, rewards, advantages, sampled_at, _ = run.pending.popleft()  # the oldest: k steps old (fewer at first)
     anchor, correction, measured = rollout.mu, torch.ones_like(rollout.completion_mask), {}  # DPPO's: mu as sampled
     if cfg.recompute_old:  # the paper's ablation: the anchor becomes pi_old, and a weight corrects pi_old to mu
         anchor, correction, measured = recompute_anchor(model, rollout, advantages, cfg)
     measured |= update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)
-    return Step(rollout, rewards, advantages, measured)
+    return Step(rollout, rewards, advantages, sampled_at, measured)
+
+
+@timed("rollout")
+def sample_rewarded(trained_at: int, step: int, sampler, tokenizer, problems, run: "Run", cfg: Config) -> Step:
+    """Step trained_at's rollout, sampled now (at `step`): P prompts x G completions and mu, rewards, advantages."""
+    indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, trained_at)  # that step's P prompts
+    batch = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]  # G each
+    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
+    rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
+    return Step(rollout, rewards, step_advantages(rewards, indices, run.reward_history, cfg), sampled_at=step)
 
 
 # ============================================================================ rollout: sampling, recording mu
@@ -294,13 +309,6 @@ class Rollout:
         return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), texts=[self.texts[i] for i in rows])
 
 
-@timed("rollout")
-def sample(sampler, tokenizer, problems: list[dict], cfg: Config) -> tuple[list[dict], Rollout]:
-    """G completions of each problem (of this process's share), recording mu; and each completion's problem."""
-    batch = [p for p in this_process_share(problems) for _ in range(cfg.samples_per_prompt)]
-    return batch, generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
-
-
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """One completion per prompt, recording mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
@@ -354,14 +362,15 @@ def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: d
 
 @timed("update")
 def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
-    """U optimizer steps, one pass over the rollout (no epochs: each completion is in one of the U mini-batches): for
-    each mini-batch its token weights; for each micro-batch of its completions with A != 0, log pi, the objective's
+    """E x U optimizer steps: E passes over the rollout (--ppo_epochs), each reshuffled into U mini-batches: for each
+    mini-batch its token weights; for each micro-batch of its completions with A != 0, log pi, the objective's
     per-token loss and backward; then one clipped AdamW step. In the first, pi is pi_old, and |pi - mu| is the
-    sampler's numerics alone; pi moves away from mu from the second on: a trust region needs U >= 2."""
+    sampler's numerics alone (k = 0); pi moves away from mu from the second on: a trust region needs E x U >= 2."""
     A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
     measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
-    for update, minibatch in enumerate(torch.randperm(len(A)).chunk(cfg.updates_per_step)):
+    passes = (batch for _ in range(cfg.ppo_epochs) for batch in torch.randperm(len(A)).chunk(cfg.updates_per_step))
+    for update, minibatch in enumerate(passes):  # each pass's permutation drawn as it starts
         counted = rollout.completion_mask[minibatch] * (A[minibatch] != 0 if cfg.skip_zero_advantage else 1)
         counts = all_reduced(token_counts(counted))  # what the loss is averaged over: the whole mini-batch's
         weights = torch.zeros_like(correction)  # (B, T): each of this mini-batch's tokens' share of its loss
@@ -680,7 +689,7 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
         refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
         STEP_CLOCK.restart(model.device)  # times the step's rollout and update (see timed)
         try:
-            done = rl_step(step, model, sampler, tokenizer, optimizer, problems, run.reward_history, cfg)
+            done = rl_step(step, model, sampler, tokenizer, optimizer, problems, run, cfg)
         except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
             save_model(model, tokenizer, run.output_dir)
             run.log(step, {"stopped_nonfinite": 1})  # a study's record of where the run broke
@@ -688,13 +697,13 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
                 f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that "
                 f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1} and the stop"
             )
-        metrics = run.log(step, step_metrics(done, STEP_CLOCK, model, cfg))  # rewards, lengths, time, memory, update
+        metrics = run.log(step, step_metrics(step, done, STEP_CLOCK, model, cfg))  # rewards, lengths, time, update
         if step % cfg.eval_every == 0 or step == run.last_step:
             accuracy = run.log(step, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
         run.show_progress(metrics, accuracy)
         stop = run.stop_requested()  # Ctrl-C on any process: this step is finished, saved, and the run stops
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            save_checkpoint(run.output_dir, model, tokenizer, optimizer, step, run.reward_history, run.initial_accuracy)
+            save_checkpoint(run, model, tokenizer, optimizer, step)
         if stop:
             leave_after_rank_0(
                 f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {run.output_dir}"
@@ -906,30 +915,28 @@ def main(argv=None) -> dict:
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
     cfg = dataclasses.replace(cfg, max_prompt_tokens=prompt_length_limit(cfg, tokenizer, train_problems + held_out))
-    first_step, initial_accuracy, reward_history = 1, None, {}
+    first_step, carried = 1, (None, {}, collections.deque())  # the first accuracy, SAS's history, pending rollouts
     if resume_from:
-        first_step, initial_accuracy, reward_history = restore_checkpoint(resume_from, model, optimizer)
+        first_step, carried = restore_checkpoint(resume_from, model, optimizer)
     last_step = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
-    with Run(cfg, output_dir, first_step, last_step, reward_history, initial_accuracy, device, started) as run:
+    with Run(cfg, output_dir, first_step, last_step, carried, device, started) as run:
         accuracy = train(cfg, model, sampler, tokenizer, optimizer, train_problems, held_out, run)
     if rank == 0:
-        print(
-            f"{cfg.objective}: held-out greedy accuracy {run.initial_accuracy:.1%} -> {accuracy:.1%} "
-            f"({100 * (accuracy - run.initial_accuracy):+.1f} points) in {time.time() - started:.0f} s; "
-            f"metrics and model in {output_dir}"
-        )
+        gain = f"{run.initial_accuracy:.1%} -> {accuracy:.1%} ({100 * (accuracy - run.initial_accuracy):+.1f} points)"
+        took = f"in {time.time() - started:.0f} s; metrics and model in {output_dir}"
+        print(f"{cfg.objective}: held-out greedy accuracy {gain} {took}")
     return {"initial_accuracy": run.initial_accuracy, "final_accuracy": accuracy}
 
 
 class Run(contextlib.ExitStack):
-    """The training loop's bookkeeping: the progress bar, SAS's reward history, the first accuracy (from the checkpoint
-    when resumed); each record to metrics.jsonl and --report_to's tracker (imported if chosen), on rank 0; Ctrl-C."""
+    """The training loop's bookkeeping: the progress bar; the first accuracy, SAS's reward history and the pending
+    rollouts (from the checkpoint when resumed); records to metrics.jsonl and --report_to's tracker (rank 0); Ctrl-C."""
 
-    def __init__(self, cfg, output_dir, first_step, last_step, reward_history, initial_accuracy, device, started):
+    def __init__(self, cfg, output_dir, first_step, last_step, carried, device, started):
         super().__init__()
         rank_0 = rank_and_world()[0] == 0
         self.steps = tqdm(range(first_step, last_step + 1), desc=cfg.objective, dynamic_ncols=True, disable=not rank_0)
-        self.last_step, self.reward_history, self.initial_accuracy = last_step, reward_history, initial_accuracy
+        self.last_step, (self.initial_accuracy, self.reward_history, self.pending) = last_step, carried
         self.output_dir, self.device, self.started = output_dir, device, started
         metrics_path = output_dir / "metrics.jsonl" if rank_0 else os.devnull
         self.metrics_file = self.enter_context(open(metrics_path, "a" if first_step > 1 else "w"))
@@ -1000,7 +1007,7 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    may_be_0 = "steps epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens".split()
+    may_be_0 = "steps epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens staleness".split()
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
         at_least_0 = name in may_be_0
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
@@ -1009,6 +1016,8 @@ def check_config(cfg: Config):
         fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.cppo_w_min > 1:
         fail(f"--cppo_w_min must be in (0, 1] (the position weight falls from 1 to it), got {cfg.cppo_w_min}")
+    if cfg.ppo_epochs > 1 and cfg.staleness > 0 and os.environ.get("RANK", "0") == "0":
+        print("dppo.py: note: --ppo_epochs > 1 and --staleness > 0: their two lags add up", file=sys.stderr)
     if cfg.samples_per_prompt < 2:
         fail(f"--samples_per_prompt must be at least 2 (GRPO compares a group), got {cfg.samples_per_prompt}")
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # an optional extra
@@ -1034,10 +1043,8 @@ def writable_directory(path: Path) -> Path:
 
 
 def not_in_offline_cache(subject: str, local: str) -> str:
-    return (
-        f"{subject} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it; "
-        f"pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it"
-    )
+    offline = "not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it"
+    return f"{subject} {offline}; pass {local} instead, or run once with HF_HUB_OFFLINE unset to download it"
 
 
 def first_line(error: Exception) -> str:
@@ -1439,25 +1446,29 @@ def save_model(model, tokenizer, directory: Path):
         tokenizer.save_pretrained(directory)
 
 
-def save_checkpoint(run_dir: Path, model, tokenizer, optimizer, step: int, reward_history: dict, initial_accuracy):
-    partial, final, old = (run_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
+def save_checkpoint(run: "Run", model, tokenizer, optimizer, step: int):
+    partial, final, old = (run.output_dir / name for name in ("checkpoint.partial", "checkpoint", "checkpoint.old"))
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights, optimizer_state = get_state_dict(model, optimizer, options=whole)
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     random_states = all_gathered_objects({"torch": torch.get_rng_state(), "cuda": cuda_states})  # every process's
+    # each process's pending rollouts (--staleness) as tensors and plain values: a checkpoint holds no classes
+    plain = [dict(w._asdict(), rollout=dict(vars(w.rollout), mu=w.rollout.mu._asdict())) for w in run.pending]
+    pending = all_gathered_objects(tensors_to(plain, "cpu"))
     if rank_and_world()[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
-        state = dict(step=step, optimizer=optimizer_state, reward_history=reward_history, random_states=random_states)
-        torch.save(state | {"initial_accuracy": initial_accuracy}, partial / "training_state.pt")
+        carried = dict(initial_accuracy=run.initial_accuracy, reward_history=run.reward_history, pending=pending)
+        state = dict(step=step, optimizer=optimizer_state, random_states=random_states, **carried)
+        torch.save(state, partial / "training_state.pt")
         if final.exists():
             final.rename(old)
         partial.rename(final)  # written aside, then renamed: a crash leaves the last checkpoint whole
         shutil.rmtree(old, ignore_errors=True)
 
 
-def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, dict]:
+def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, tuple]:
     try:
         state = torch.load(checkpoint / "training_state.pt", weights_only=True)  # a checkpoint cannot run code
     except pickle.UnpicklingError:
@@ -1469,7 +1480,13 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, float, 
     torch.set_rng_state(state["random_states"][rank]["torch"])
     if state["random_states"][rank]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["random_states"][rank]["cuda"])
-    return state["step"] + 1, state["initial_accuracy"], state["reward_history"]
+    plain = tensors_to(state["pending"][rank], model.device)  # this process's pending rollouts, rebuilt
+    pending = [Step(**w | {"rollout": Rollout(**w["rollout"] | {"mu": LogProbs(**w["rollout"]["mu"])})}) for w in plain]
+    return state["step"] + 1, (state["initial_accuracy"], state["reward_history"], collections.deque(pending))
+
+
+def tensors_to(tree, device):  # every tensor in nested dicts and lists moved
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
 
 
 # -------- diagnostics: what a step did, for metrics.jsonl, outside the loss path
@@ -1482,7 +1499,7 @@ RARE_TOKEN_MU = 0.15
 
 @torch.no_grad()
 def add_token_stats(stats, cfg: Config, sampled: Rollout, pi: LogProbs, anchor: LogProbs, A, blocked, first: bool):
-    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics alone."""
+    """A micro-batch's statistics. On a step's first update pi is pi_old: |pi - mu| is the sampler's numerics (k=0)"""
     real, logp, logp_anchor = sampled.completion_mask.bool(), pi.logp, anchor.logp
     blocked = blocked & (A != 0)  # a token with A = 0 has no gradient to lose
     p, q = logp.exp(), sampled.mu.logp.exp()
@@ -1567,7 +1584,7 @@ class UpdateMetrics(TokenStats):
         if not math.isfinite(self.grad_norms[-1]):  # the same on every process: the norm is over the whole model
             raise FloatingPointError(
                 f"non-finite loss {self.losses[update].item()} or gradient norm {self.grad_norms[-1]} in update "
-                f"{update + 1} of {self.cfg.updates_per_step}"
+                f"{update + 1} of {self.cfg.ppo_epochs * self.cfg.updates_per_step}"
             )
 
     def metrics(self) -> dict:
@@ -1576,7 +1593,7 @@ class UpdateMetrics(TokenStats):
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, **super().metrics()}
 
 
-def step_metrics(done: "Step", clock: dict, model, cfg: Config) -> dict:
+def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> dict:
     """A step's metrics: its rewards, completions, times and memory peaks over every process, then update_policy's."""
     rollout, mask = done.rollout, done.rollout.completion_mask
     rewards, advantages = all_gathered(done.rewards), all_gathered(done.advantages)  # every process's, in prompt order
@@ -1586,7 +1603,11 @@ def step_metrics(done: "Step", clock: dict, model, cfg: Config) -> dict:
     sums = [len(rollout.texts), answers, mask.sum(), truncated, (rollout.mu.entropy * mask).sum()]
     sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
     completions, answers, tokens, truncated, entropy = sums.tolist()
-    (rollout_s, rollout_mb), (update_s, update_mb) = clock["rollout"], clock["update"]
+    (rollout_s, rollout_mb), (update_s, update_mb) = clock.get("rollout", (0.0, 0.0)), clock["update"]  # k > 0: none
+    lag = {
+        "policy/staleness_steps": step - done.sampled_at,
+        "rollout/sampled_at_step": done.sampled_at,
+    }  # its rollout's
     peaks = all_reduced(mask.new_tensor([rollout_mb, update_mb], dtype=torch.float64), dist.ReduceOp.MAX)
     return {
         "reward/mean": rewards.mean().item(),
@@ -1598,10 +1619,11 @@ def step_metrics(done: "Step", clock: dict, model, cfg: Config) -> dict:
         "advantage/nonzero_frac": (advantages != 0).float().mean().item(),
         "time/rollout_s": rollout_s,
         "time/update_s": update_s,
-        "throughput/generated_tokens_per_s": tokens / rollout_s,
+        "throughput/generated_tokens_per_s": tokens / rollout_s if rollout_s else 0.0,
         "throughput/trained_tokens_per_s": tokens / update_s,
         "memory/rollout_peak_mb": peaks[0].item(),
         "memory/update_peak_mb": peaks[1].item(),
+        **(lag if cfg.staleness else {}),
         **done.update,
     }
 

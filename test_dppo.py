@@ -16,6 +16,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import ast
 import base64
+import collections
 import contextlib
 import copy
 import ctypes
@@ -2365,6 +2366,86 @@ def test_a_run_with_eval_samples_logs_avg_and_pass_at_k_and_trains_as_without(de
     assert all(0 < r["eval/avg_at_k"] < 1 for r in evaluations)  # sampled at T = 1, some right and some wrong
 
 
+# ------------------------------------------------------- off-policy data: reuse (--ppo_epochs), staleness (--staleness)
+
+
+def test_two_ppo_epochs_give_each_completion_with_a_nonzero_advantage_exactly_two_gradient_passes(
+    tiny_policy, monkeypatch
+):
+    """E = 2, U = 2: 4 optimizer steps; each pass reshuffled into 2 mini-batches that cover the rollout; a completion
+    with A != 0 is in exactly 2 micro-batches, one in each pass; one with A = 0 in none for its own sake."""
+    model = copy.deepcopy(tiny_policy[0])
+    rollout, advantages = hand_built_rollout(model.config.vocab_size)
+    advantages[[1, 4]] = 0.0
+    real_rows, minibatches, passes = dppo.rows_that_move_pi, [], []
+
+    def recorded(rows, A, micro_batch_size):
+        micro_batches, left_out = real_rows(rows, A, micro_batch_size)
+        minibatches.append(sorted(rows.tolist()))
+        passes.extend(int(row) for batch in micro_batches for row in batch if A[row] != 0)
+        return micro_batches, left_out
+
+    monkeypatch.setattr(dppo, "rows_that_move_pi", recorded)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = []
+    monkeypatch.setattr(optimizer, "step", lambda *args, **kwargs: steps.append(1))
+    update(model, optimizer, rollout, advantages, config(ppo_epochs=2, updates_per_step=2, micro_batch_size=2))
+    assert len(steps) == len(minibatches) == 4
+    for first, second in (minibatches[:2], minibatches[2:]):  # each pass: every completion once
+        assert sorted(first + second) == list(range(8))
+    assert minibatches[:2] != minibatches[2:]  # reshuffled (a repeat has probability 1/35 for this seed: it is not)
+    assert passes.count(1) == passes.count(4) == 0
+    assert all(passes.count(row) == 2 for row in (0, 2, 3, 5, 6, 7)) and len(passes) == 12
+
+
+def test_staleness_2_trains_step_t_on_the_rollout_sampled_at_step_t_minus_2_by_that_steps_weights(
+    demo_cache, tmp_path, monkeypatch
+):
+    """From step 3 on, the rollout trained at step t is the one sampled in step t - 2, by the weights the policy had as
+    that step began; steps 1 and 2 train on the initial policy's. No rollout is sampled for a step past the last, and
+    each step's prompts are the ones it has without staleness."""
+    real_generate, real_update, sampled, trained = dppo.generate_rollout, dppo.update_policy, [], []
+
+    def weights(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+    def generating(model, tokenizer, prompts, cfg):
+        rollout = real_generate(model, tokenizer, prompts, cfg)
+        sampled.append((rollout, weights(model), prompts))
+        return rollout
+
+    def updating(model, optimizer, rollout, *args):
+        trained.append((rollout, weights(model)))  # the weights as the step began: its sampling comes first
+        return real_update(model, optimizer, rollout, *args)
+
+    monkeypatch.setattr(dppo, "generate_rollout", generating)
+    monkeypatch.setattr(dppo, "update_policy", updating)
+    demo_run(demo_cache, tmp_path / "stale", "--steps 6 --staleness 2")
+    assert len(sampled) == len(trained) == 6
+    for t in range(1, 7):
+        rollout, sampling_weights, _ = sampled[t - 1]
+        assert trained[t - 1][0] is rollout
+        assert torch.equal(sampling_weights, trained[max(t - 2, 1) - 1][1]), t
+        assert torch.equal(sampling_weights, trained[t - 1][1]) == (t <= 1), t  # stale from step 2 on
+    steps = step_records(tmp_path / "stale")
+    assert [r["rollout/sampled_at_step"] for r in steps] == [1, 1, 1, 2, 3, 4]
+    assert [r["policy/staleness_steps"] for r in steps] == [0, 1, 2, 2, 2, 2]
+    stale_prompts = [prompts for _, _, prompts in sampled]
+    sampled.clear()
+    demo_run(demo_cache, tmp_path / "fresh", "--steps 6")
+    assert [prompts for _, _, prompts in sampled] == stale_prompts
+    assert "policy/staleness_steps" not in step_records(tmp_path / "fresh")[0]  # k = 0: its records as before
+
+
+def test_reuse_and_staleness_together_are_allowed_with_one_line_on_stderr(capsys):
+    cfg = dppo.parse_config(["--ppo_epochs", "2", "--staleness", "1"])
+    assert (cfg.ppo_epochs, cfg.staleness) == (2, 1)
+    assert capsys.readouterr().err == "dppo.py: note: --ppo_epochs > 1 and --staleness > 0: their two lags add up\n"
+    dppo.parse_config(["--ppo_epochs", "2"])
+    dppo.parse_config(["--staleness", "3"])
+    assert capsys.readouterr().err == ""
+
+
 # -------------------------------------------------------------------------- resume: a run continued from its checkpoint
 
 
@@ -2418,6 +2499,34 @@ def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_ca
     nonzero = [r["advantage/nonzero_frac"] for r in steps]
     assert nonzero[:2] == pytest.approx(grpo_nonzero[:2], abs=1e-9)  # epoch 1: first visits, SAS is GRPO
     assert any(n > g + 1e-9 for n, g in zip(nonzero[3:], grpo_nonzero[3:]))  # after the resume, the history counted
+
+
+def test_a_stale_run_interrupted_after_step_3_and_resumed_equals_an_uninterrupted_one(
+    demo_cache, tmp_path, monkeypatch
+):
+    """--staleness 2: the checkpoint of step 3 holds the two rollouts sampled for steps 4 and 5 (by the policies after
+    steps 1 and 2), and the process dies in step 4; resumed, the run trains on them as the uninterrupted run does."""
+    flags = "--steps 6 --staleness 2 --save_every 3"
+    demo_run(demo_cache, tmp_path / "whole", flags)
+    real_update, calls = dppo.update_policy, []
+
+    def dies_in_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("the process dies in step 4")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(dppo, "update_policy", dies_in_step_4)
+    with pytest.raises(RuntimeError, match="dies in step 4"):
+        demo_run(demo_cache, tmp_path / "halves", flags)
+    state = torch.load(tmp_path / "halves" / "checkpoint" / "training_state.pt", weights_only=True)
+    assert [waiting["sampled_at"] for waiting in state["pending"][0]] == [2, 3]  # for steps 4 and 5
+    monkeypatch.setattr(dppo, "update_policy", real_update)
+    demo_run(demo_cache, tmp_path / "halves", f"{flags} --resume {tmp_path / 'halves'}")
+    whole, halves = records(tmp_path / "whole"), records(tmp_path / "halves")
+    assert [r["step"] for r in halves] == [0, 1, 2, 3, 3, 4, 5, 6, 6]
+    assert comparable(halves) == comparable(whole)
+    assert [r["policy/staleness_steps"] for r in whole if "loss" in r] == [0, 1, 2, 2, 2, 2]
 
 
 class CodeOnLoad:
@@ -3169,6 +3278,10 @@ def one_line_exit_2(argv, capsys) -> str:
         (["--objective", "cppo", "--cppo_w_min", "1.2"], "--cppo_w_min must be in (0, 1]"),
         (["--objective", "cppo", "--cppo_w_min", "0"], "--cppo_w_min must be > 0"),
         (["--objective", "cppo", "--cppo_delta_b_min", "-0.01"], "--cppo_delta_b_min must be >= 0"),
+        (["--ppo_epochs", "0"], "--ppo_epochs must be > 0, got 0"),
+        (["--ppo_epochs", "1.5"], "invalid int value: '1.5'"),
+        (["--staleness", "-1"], "--staleness must be >= 0, got -1"),
+        (["--staleness", "two"], "invalid int value: 'two'"),
     ],
 )
 def test_bad_settings_fail_in_one_line_before_anything_is_loaded(flags, says, capsys, monkeypatch):
@@ -3858,6 +3971,35 @@ def one_update(checkpoint, objective: str, loss_agg: str, precision="fp32", last
     return dppo.get_model_state_dict(model, options=whole), metrics
 
 
+def stale_updates(checkpoint) -> tuple[dict, list[int]]:
+    """Three RL steps at --staleness 1 (U = 1, SGD) on this process's share of 2 prompts x 4 completions, each rollout
+    equivalence_batch's tokens with mu the sampling policy's own log-probs (plus its noise) and rewards 1, 0, 1, 0, ...
+    Returns the whole weights after them and the step that sampled each step's rollout."""
+    rank, world = dppo.rank_and_world()
+    model, tokenizer = dppo.load_policy(str(checkpoint), torch.device("cpu"))
+    model = dppo.shard(model)
+    mine = torch.arange(8).chunk(world)[rank]
+
+    def generate_rollout(policy, tokenizer, prompts, cfg):  # sampled now, by the policy as it is
+        rollout = equivalence_batch(policy)[0].select(mine)
+        return dataclasses.replace(rollout, texts=["\\boxed{1}", "\\boxed{2}"] * (len(mine) // 2))
+
+    real_generate, dppo.generate_rollout = dppo.generate_rollout, generate_rollout
+    try:
+        problems = [{"question": "?", "answer": "#### 1"}] * 2
+        cfg = config(objective="binary_tv", prompts_per_step=2, samples_per_prompt=4, updates_per_step=1)
+        cfg = dataclasses.replace(cfg, micro_batch_size=2, staleness=1, max_grad_norm=1e9)
+        run = SimpleNamespace(pending=collections.deque(), last_step=3, reward_history={})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampled_at = [
+            dppo.rl_step(t, model, model, tokenizer, optimizer, problems, run, cfg).sampled_at for t in (1, 2, 3)
+        ]
+    finally:
+        dppo.generate_rollout = real_generate
+    whole = dppo.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dppo.get_model_state_dict(model, options=whole), sampled_at
+
+
 SAS_VISITS = [[0, 1, 2, 3], [2, 3, 0, 1], [3, 0, 1, 2]]  # prompts change processes between visits
 
 
@@ -3892,6 +4034,7 @@ def distributed_checks(checkpoint, out):
     rank, world = dppo.rank_and_world()
     results = {case: one_update(checkpoint, *case) for case in EQUIVALENCE_CASES + BF16_EQUIVALENCE_CASES}
     results["process 1's A all 0"] = one_update(checkpoint, "binary_tv", "token_mean", last_four_still=True)
+    results["staleness 1"] = stale_updates(checkpoint)
     rollout_gaps = {cache: sharded_rollout_gaps(checkpoint, cache) for cache in GENERATION_CACHES}
     history, cfg, advantages = {}, config(advantage="sas", samples_per_prompt=4, prompts_per_step=4), []
     for visit, indices in enumerate(SAS_VISITS):
@@ -3939,6 +4082,17 @@ def test_a_process_whose_completions_all_have_a_zero_advantage_runs_the_collecti
     assert metrics["trust_region/blocked_frac"] > 0
     for name in ("loss", "grad_norm", "trust_region/blocked_frac", "policy/rare_token_frac"):
         assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
+
+
+def test_stale_rollouts_queued_on_each_of_two_processes_train_as_on_one(tiny_checkpoint, two_process_results):
+    """Each process keeps the queue of its own share; three steps at k = 1 update the weights as one process does."""
+    weights, sampled_at = two_process_results["results"]["staleness 1"]
+    expected_weights, expected_sampled_at = stale_updates(tiny_checkpoint)
+    assert sampled_at == expected_sampled_at == [1, 1, 2]
+    before = Qwen2ForCausalLM.from_pretrained(tiny_checkpoint).state_dict()
+    assert max((expected_weights[k] - before[k]).abs().max() for k in before) > 1e-3  # a visible update
+    for name in expected_weights:
+        assert torch.allclose(weights[name], expected_weights[name], atol=1e-5, rtol=0), name
 
 
 def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
