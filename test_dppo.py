@@ -3769,6 +3769,69 @@ def test_the_compare_table_has_a_column_per_record_directory_and_pools_none(tmp_
     assert result.stdout.count("- first:") == result.stdout.count("- second:") == 1
 
 
+def study_module():
+    spec = importlib.util.spec_from_file_location("study", HERE / "figures" / "study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    return study
+
+
+def test_the_sustained_drop_break_rule_and_fishers_exact_test_by_hand():
+    """The stale-data study's rule (figures/smollm2_stale/preregistration.md) on the records that motivated it: one
+    dip that recovers breaks no run under it; a fall of 15 points from its own best does. Fisher's one-sided p: the
+    break counts its readings name (5 of 5 against 1 of 5, 4 of 5 against 0 of 5) are below 0.05, 5 against 2 not."""
+    study = study_module()
+    dip = {0: 15.5, 5: 5.5, 10: 18.0, 15: 25.0, 20: 30.0}  # the stress study's topk_tv seed 0, in shape
+    assert study.fell_at(dip, "first_drop") == [5] and study.fell_at(dip, "sustained_drop") == []
+    rose_and_fell = {0: 15.5, 5: 45.5, 10: 26.0}  # its pilot's pg at U = 8, lr 3e-5: 19.5 below its best
+    assert study.fell_at(rose_and_fell, "first_drop") == [] and study.fell_at(rose_and_fell, "sustained_drop") == [10]
+    assert study.fell_at({0: 20, 5: 14, 10: 15, 15: 30, 20: 30}, "sustained_drop") == [5]  # two in a row: the first
+    assert study.fell_at({0: 20, 5: 30, 10: 30, 15: 30, 20: 15}, "sustained_drop") == [20]  # the last, 5 below
+    assert study.fell_at({0: 20, 5: 15.1, 10: 14, 15: 20, 20: 21}, "sustained_drop") == []  # 4.9 below, then 6
+    assert study.fisher_one_sided(0, 5, 5, 5) == pytest.approx(1 / 252)
+    assert study.fisher_one_sided(1, 5, 5, 5) == study.fisher_one_sided(0, 5, 4, 5) == pytest.approx(6 / 252)
+    assert study.fisher_one_sided(2, 5, 5, 5) == pytest.approx(21 / 252)  # 0.083: not below 0.05
+    assert study.fisher_one_sided(3, 5, 3, 5) == pytest.approx((20 * 6 + 15 * 4 + 6) / 252)  # equal counts: 0.74
+
+
+def test_the_offpolicy_table_has_a_row_per_name_and_setting_with_numbers_by_hand(tmp_path):
+    """study.py offpolicy: final and lowest accuracy, the largest |pi - mu| (0.1 x the last step here) and the tokens
+    blocked, weighted by each step's tokens: (0.1 x 10 + 0.3 x 30) / 40 = 25% for the first setting."""
+    write_metrics(
+        tmp_path / "fresh" / "pg-seed0", [0.3, 0.4, 0.5], blocked=[0.1, 0.3], blocked_rare=[0, 0], lengths=[10, 30]
+    )
+    write_metrics(
+        tmp_path / "fresh" / "pg-seed1", [0.3, 0.2, 0.7], blocked=[0.0, 0.0], blocked_rare=[0, 0], lengths=[10, 30]
+    )
+    write_metrics(
+        tmp_path / "stale" / "pg-seed0", [0.3, 0.1, 0.2], blocked=[0, 0, 0.5], blocked_rare=[0] * 3, lengths=[5] * 3
+    )
+    command = [
+        sys.executable,
+        str(HERE / "figures" / "study.py"),
+        "offpolicy",
+        "--names",
+        "pg ppo_clip",
+        "--seeds",
+        "0 1",
+    ]
+    command += ["--row", f"k 0={tmp_path / 'fresh'}", "--row", f"k 4={tmp_path / 'stale'}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.strip("| ").split(" | ")[1:] for line in result.stdout.splitlines() if line.startswith("| `pg`")]
+    assert rows[0] == [
+        "k 0",
+        "0, 1",
+        "60.0 ± 14.1 (50.0 / 70.0)",
+        "25.0 ± 7.1 (30.0 / 20.0)",
+        "0.200 ± 0.000 (0.200 / 0.200)",
+        "12.50 ± 17.68 (25.00 / 0.00)",
+    ]
+    assert rows[1] == ["k 4", "0", "20.0 (20.0)", "10.0 (10.0)", "0.300 (0.300)", "16.67 (16.67)"]
+    assert "| `ppo_clip` | k 0 | not run |" in result.stdout
+    assert "not in the table: ppo_clip seed 0 (missing)" in result.stdout
+
+
 def test_a_study_records_a_run_stopped_by_a_non_finite_loss_and_goes_on_but_ends_on_any_other_failure(
     demo_cache, tmp_path
 ):

@@ -282,13 +282,43 @@ def run_summary(records):
 
 SUMMARY_KEYS = "before final lowest truncated drift drift_max mismatch blocked rare_blocked rare_all tv_too".split()
 BREAK_POINTS = 5  # a run breaks where an evaluation is this many points or more below its own step-0 accuracy
+FALL_FROM_BEST = 15  # sustained_drop: ... or this many points or more below its own best earlier evaluation
+RULES = {  # each study's pre-registered rule, by name (report --rule); a non-finite loss breaks a run under each
+    "first_drop": f"its first evaluation {BREAK_POINTS} points or more below its own step-0 accuracy",
+    "sustained_drop": f"two consecutive evaluations (at the first of them), or its last, {BREAK_POINTS} points or more "
+    f"below its own step-0 accuracy; or an evaluation {FALL_FROM_BEST} points or more below its own best earlier one",
+}
 
 
-def breaking(provenance: dict, records) -> dict:
-    """Where a run broke, if it did: its first evaluation BREAK_POINTS or more below its own step-0 accuracy, or the
-    step whose loss was non-finite (dppo.py stopped there), whichever came first; and the run's extremes."""
+def fell_at(evals: dict[int, float], rule: str) -> list[int]:
+    """The evaluation steps at which a run counts as broken under `rule` (RULES), earliest first."""
+    steps = sorted(evals)
+    below = [round(evals[0] - evals[step], 6) >= BREAK_POINTS for step in steps]
+    if rule == "first_drop":
+        return [step for step, low in zip(steps, below) if low]
+    fell = []
+    for i, step in enumerate(steps[1:], start=1):
+        sustained = below[i] and (i == len(steps) - 1 or below[i + 1])
+        from_best = round(max(evals[s] for s in steps[:i]) - evals[step], 6) >= FALL_FROM_BEST
+        if sustained or from_best:
+            fell.append(step)
+    return fell
+
+
+def fisher_one_sided(breaks_a: int, runs_a: int, breaks_b: int, runs_b: int) -> float:
+    """Fisher's exact test, one-sided: the chance, with the margins fixed, that b breaks breaks_b times or more."""
+    breaks, runs = breaks_a + breaks_b, runs_a + runs_b
+    ways = [
+        math.comb(breaks, x) * math.comb(runs - breaks, runs_b - x) for x in range(breaks_b, min(runs_b, breaks) + 1)
+    ]
+    return sum(ways) / math.comb(runs, runs_b)
+
+
+def breaking(provenance: dict, records, rule: str = "first_drop") -> dict:
+    """Where a run broke, if it did: its first evaluation that breaks it under `rule` (RULES), or the step whose loss
+    was non-finite (dppo.py stopped there), whichever came first; and the run's extremes."""
     evals = accuracies(records)
-    fell = [step for step in sorted(evals) if round(evals[0] - evals[step], 6) >= BREAK_POINTS]
+    fell = fell_at(evals, rule)
     stopped = provenance.get("stopped_nonfinite_at_step")
     grad_norms = [r["grad_norm"] for r in records if "grad_norm" in r]
     if stopped is not None and (not fell or stopped <= fell[0]):
@@ -304,12 +334,13 @@ def breaking(provenance: dict, records) -> dict:
     }
 
 
-def breaking_table(finished, names, seeds) -> list[str]:
-    """Per run, where it broke (BREAK_POINTS below its step-0 accuracy, or a non-finite loss) and its extremes."""
+def breaking_table(finished, names, seeds, rule="first_drop", pairs=()) -> list[str]:
+    """Per run, where it broke (under `rule`, or a non-finite loss) and its extremes; under sustained_drop, each pair's
+    break counts and Fisher's one-sided p."""
     columns = ["step 0", "last evaluation", "lowest", "broke at", "largest gradient norm"]
     lines = [
         "",
-        f"Where each run broke: its first evaluation {BREAK_POINTS} points or more below its own step-0 accuracy, or "
+        f"Where each run broke: {RULES[rule]}, or "
         "the step whose loss was non-finite (the run stopped there); held-out accuracy (%) at step 0, at its last "
         "evaluation and its lowest; the largest of its steps' gradient norms (each the mean over the step's "
         "optimizer steps, before clipping):",
@@ -318,12 +349,21 @@ def breaking_table(finished, names, seeds) -> list[str]:
         "|---" * (2 + len(columns)) + "|",
     ]
     for name in names:
-        runs = {seed: breaking(*finished[name, seed]) for seed in seeds if (name, seed) in finished}
+        runs = {seed: breaking(*finished[name, seed], rule) for seed in seeds if (name, seed) in finished}
         for seed, run in runs.items():
             lines.append(f"| `{name}` | {seed} | " + " | ".join(run[c] for c in columns) + " |")
         if runs:
             broken = sum(run["broke at"] != "none" for run in runs.values())
             lines.append(f"| `{name}` | broke on | {broken} of {len(runs)} seeds |" + " |" * (len(columns) - 1))
+    if rule == "sustained_drop" and pairs:
+        lines += ["", "Break counts per pair, and Fisher's exact one-sided p that the second breaks more often:", ""]
+        for a, b in pairs:
+            counts = []
+            for name in (a, b):
+                runs = [breaking(*finished[name, seed], rule) for seed in seeds if (name, seed) in finished]
+                counts += [sum(run["broke at"] != "none" for run in runs), len(runs)]
+            p = f"p = {fisher_one_sided(*counts):.3f}" if counts[1] and counts[3] else "no runs"
+            lines.append(f"- `{a}` {counts[0]} of {counts[1]}, `{b}` {counts[2]} of {counts[3]}: {p}")
     return lines
 
 
@@ -407,7 +447,7 @@ def machine_text(origin: dict) -> str:
     return cpu + ("" if origin["gpu"] in ("none", "not recorded", "–") else f", GPU {origin['gpu']}")
 
 
-def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]]) -> str:
+def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]], rule="first_drop") -> str:
     finished, absent, origin = load_records(directory, names, seeds)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
     eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
@@ -468,7 +508,7 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
         if any(finished[name, seed][0].get("shared_cpu") for seed in seeds if (name, seed) in finished):
             cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += breaking_table(finished, names, seeds)
+    lines += breaking_table(finished, names, seeds, rule, pairs)
     lines += summary_table(finished, names, seeds)
     if absent:
         lines += ["", f"Not in the tables: {'; '.join(absent)}."]
@@ -503,6 +543,52 @@ def compare(columns: list[tuple[str, Path]], names: list[str], seeds: list[str],
     return "\n".join(lines) + "\n"
 
 
+def knob(records) -> dict:
+    """One run's cells of the off-policy table: final and lowest accuracy, largest |π − μ|, tokens blocked."""
+    evals, steps = list(accuracies(records).values()), [r for r in records if "reward/mean" in r]
+    tokens = [r["completion/length_mean"] for r in steps]  # a step's share of blocked tokens counts its tokens
+    return {
+        "final": evals[-1],
+        "lowest": min(evals),
+        "largest": max((r["policy/abs_pi_minus_mu_max"] for r in steps), default=None),
+        "blocked": 100 * sum(r["trust_region/blocked_frac"] * n for r, n in zip(steps, tokens)) / sum(tokens)
+        if steps
+        else None,
+    }
+
+
+def offpolicy(rows: list[tuple[str, Path]], names: list[str], seeds: list[str]) -> str:
+    """One table, a row per name and record directory (a setting of the off-policy knobs): mean ± std over the seeds
+    and each seed's value. Each directory's records are held to one commit and one kind of machine (load_records)."""
+    loaded = [(label, directory, *load_records(directory, names, seeds)) for label, directory in rows]
+    lines = [
+        "Per name and setting, mean ± std over the seeds (each seed's value): the final and the lowest greedy held-out "
+        "accuracy (%, every evaluation, step 0 included); the largest |π − μ| of a sampled token in any update of the "
+        "run; the tokens blocked (%, of every token an update trained on, weighted by each step's tokens: a rollout "
+        "reused E times counts its tokens E times).",
+        "",
+        "| name | setting | seeds | final | lowest | largest \\|π − μ\\| | tokens blocked (%) |",
+        "|---" * 7 + "|",
+    ]
+    formats = {"final": ".1f", "lowest": ".1f", "largest": ".3f", "blocked": ".2f"}
+    for name in names:
+        for label, _, finished, _, _ in loaded:
+            runs = {seed: knob(finished[name, seed][1]) for seed in seeds if (name, seed) in finished}
+            cells = []
+            for key, fmt in formats.items():
+                values = [run[key] for run in runs.values() if run[key] is not None]
+                each = " / ".join(f"{value:{fmt}}" for value in values)
+                cells.append(f"{mean_std(values, fmt)} ({each})" if values else "–")
+            lines.append(f"| `{name}` | {label} | {', '.join(runs) or 'not run'} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for label, directory, finished, absent, origin in loaded:
+        flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
+        where = f"`{directory}`, commit {origin['commit'][:7]}, {machine_text(origin)}"
+        missing = f"; not in the table: {'; '.join(absent)}" if absent else ""
+        lines.append(f"- {label}: {where}; flags `{' '.join(flags)}`{missing}")
+    return "\n".join(lines) + "\n"
+
+
 def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
     """Each name's mean over its finished seeds, with the min–max band."""
     import matplotlib
@@ -517,6 +603,8 @@ def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
         ("tokens blocked (%)", "trust_region/blocked_frac"),
         ("|π − μ| of sampled tokens, mean (dotted: update 1)", "policy/abs_pi_minus_mu_mean"),
     ]
+    if any("policy/staleness_steps" in r for _, records in finished.values() for r in records):
+        panels.append(("realised staleness (steps)", "policy/staleness_steps"))
     figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
     for (title, key), ax in zip(panels, axes):
         scale = 1 if key.startswith("policy/") else 100
@@ -559,9 +647,10 @@ def main(argv=None):
     parser.add_argument("--seeds", required=True, help='e.g. "0 1 2"')
     parser.add_argument("--pair", action="append", default=[], help='"A B": A − B per seed; repeatable')
     parser.add_argument("--figure", type=Path, help="where the figure goes (default DIRECTORY/curves.png)")
+    parser.add_argument("--rule", choices=list(RULES), default="first_drop", help="the study's registered break rule")
     args = parser.parse_args(argv)
     names, seeds = args.names.split(), args.seeds.split()
-    table = report(args.directory, names, seeds, [tuple(pair.split()) for pair in args.pair])
+    table = report(args.directory, names, seeds, [tuple(pair.split()) for pair in args.pair], args.rule)
     (args.directory / "results.md").write_text(table)
     print(table, end="")
     try:
@@ -581,9 +670,19 @@ def compare_main(argv=None):
     print(compare(columns, args.names.split(), args.seeds.split(), args.step), end="")
 
 
+def offpolicy_main(argv=None):
+    parser = argparse.ArgumentParser(description="the off-policy knobs' table: a row per name and record directory")
+    parser.add_argument("--row", action="append", required=True, help='"SETTING=DIRECTORY"; repeatable, in order')
+    parser.add_argument("--names", required=True, help='the objectives and variants, e.g. "binary_tv ppo_clip"')
+    parser.add_argument("--seeds", required=True, help='e.g. "0 1 2"')
+    args = parser.parse_args(argv)
+    rows = [(row.split("=", 1)[0], Path(row.split("=", 1)[1])) for row in args.row]
+    print(offpolicy(rows, args.names.split(), args.seeds.split()), end="")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] in (["report"], ["compare"]):
-        (main if sys.argv[1] == "report" else compare_main)(sys.argv[2:])
+    if sys.argv[1:2] in (["report"], ["compare"], ["offpolicy"]):
+        dict(report=main, compare=compare_main, offpolicy=offpolicy_main)[sys.argv[1]](sys.argv[2:])
         sys.exit()
     command, run_dir, *rest = sys.argv[1:]
     if command == "start":
