@@ -1425,7 +1425,7 @@ def static_cache(model, length: int) -> dict:
 
 def packed_decode_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA, but a decode step packs each KV head's group of query heads as its query rows compiled too
-    (transformers packs them uncompiled only): the KV cache is read once, not copied per head (figures/README.md)."""
+    (transformers packs them uncompiled only): the KV cache is read once, not per head (figures/gpu_decode_h200)."""
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] > 1 or groups == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

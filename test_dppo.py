@@ -2868,8 +2868,8 @@ def smollm2_gguf() -> Path:
 
 
 def readme_smollm2_run(objective: str) -> str:
-    """The results document's SmolLM2 learning run, `bash run_gsm8k.sh --demo --model $GGUF … -- FLAGS`, as flags."""
-    readme = (HERE / "figures" / "README.md").read_text(encoding="utf-8")  # the results document
+    """The seeded SmolLM2 study's learning run, `bash run_gsm8k.sh --demo --model $GGUF … -- FLAGS`, as flags."""
+    readme = (HERE / "figures" / "smollm2_seeds" / "README.md").read_text(encoding="utf-8")  # its study's README
     flags = re.search(r"^bash run_gsm8k\.sh --demo --model \$GGUF .* -- (.*)$", readme, re.M).group(1)
     return f"--dataset arithmetic --objective {objective} {flags}"
 
@@ -3652,9 +3652,9 @@ def test_a_study_report_draws_the_curves_with_matplotlib(tmp_path):
 
 
 def readme_study() -> tuple[list[str], list[str]]:
-    """The results document's seeded SmolLM2 study, `bash run_gsm8k.sh --demo --model $GGUF … --variant … -- FLAGS`: the
-    script's options, and the flags after -- for every dppo.py run."""
-    readme = (HERE / "figures" / "README.md").read_text(encoding="utf-8")  # the results document
+    """The seeded SmolLM2 study's command, `bash run_gsm8k.sh --demo --model $GGUF … --variant … -- FLAGS`, from its
+    README: the script's options, and the flags after -- for every dppo.py run."""
+    readme = (HERE / "figures" / "smollm2_seeds" / "README.md").read_text(encoding="utf-8")  # its study's README
     line = re.search(r"^bash run_gsm8k\.sh (--demo --model \$GGUF .*--variant .*)$", readme, re.M).group(1)
     options, flags = line.split(" -- ")
     return shlex.split(options), flags.split()
@@ -3887,9 +3887,9 @@ def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_ref
 
 
 def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
-    """The results document's command redraws the seeded study's tables and figure from figures/'s records; each line
-    of its tables (but where each run broke and the per-run one, kept in results.md) stands there as drawn."""
-    readme = (HERE / "figures" / "README.md").read_text(encoding="utf-8")  # the results document
+    """The seeded study's README's command redraws its tables and figure from its records; each line of its tables (but
+    where each run broke and the per-run one, kept in results.md) stands in the README as drawn."""
+    readme = (HERE / "figures" / "smollm2_seeds" / "README.md").read_text(encoding="utf-8")  # its study's README
     command = re.search(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M)
     shutil.copytree(HERE / command.group(1), tmp_path / command.group(1))
     report = [sys.executable, str(HERE / "figures" / "study.py"), "report", command.group(1), *shlex.split(command[2])]
@@ -3903,7 +3903,7 @@ def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
 
 
 def test_the_results_documents_table_across_machines_is_what_study_py_compare_writes():
-    """The results document's first table, the SmolLM2 arms across the three record directories (a column each), is
+    """The results index's table across machines, the SmolLM2 arms in three record directories (a column each), is
     the output of the compare command written above it, line for line: no number in it is typed by hand."""
     document = (HERE / "figures" / "README.md").read_text(encoding="utf-8")
     command = re.search(r"^python figures/study\.py compare (.*)$", document, re.M)
@@ -3917,7 +3917,7 @@ def test_the_results_documents_table_across_machines_is_what_study_py_compare_wr
     assert result.returncode == 0, result.stderr
     lines = set(document.splitlines())
     assert [line for line in result.stdout.splitlines() if line not in lines] == []
-    assert document.index(result.stdout.splitlines()[2]) < document.index("## Stress")  # it opens the document
+    assert document.index(result.stdout.splitlines()[2]) < document.index("## The demo model's evidence")
 
 
 # ---------------------------------------------------------------------------- command line
