@@ -14,8 +14,8 @@ The paper argues that the clip's cuts fall mostly on rare tokens (see RARE_TOKEN
 
 Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi the policy trained; the
 *anchor* what the trust region measures from: mu as sampled, or pi_old, pi before the step's first update
-(--recompute_old, the paper's ablation); C a cap on r; tau the temperature; B = P x G completions of length T; U
-updates per rollout, E passes over it, k its age in steps; K mu's recorded top K. The algorithm in this file's names:
+(--recompute_old, the paper's ablation); C a cap on r; tau the temperature; B = P x G completions of length T; E
+passes over a rollout, U updates a pass; k a rollout's age in steps; K mu's recorded top K. The algorithm, by name:
 
     for step in 1 .. steps:                                                        train, rl_step
         sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample_rewarded, SamplingRecorder
@@ -39,7 +39,7 @@ Simplifications:
   - No B x T x V logits tensor: mu is recorded a step at a time, pi's output layer runs a chunk of positions at a time.
   - On CUDA, bf16 forward passes over fp32 weights and AdamW (fp32 on CPU); log-probs, ratios and losses are fp32.
   - torchrun: FSDP2 only; each process runs the loop on its share of a step, holding the whole model to generate.
-    No vLLM: `generate` from the policy or (--sampler_dtype) a bf16/fp16 copy refreshed every rollout, as an engine's.
+    No vLLM: `generate` from the policy or (--sampler_dtype) a copy in that dtype refreshed every step, as an engine's.
 """
 
 import argparse
@@ -125,7 +125,7 @@ class Config:
     # -------- training
     steps: int = setting(200, "RL steps: one rollout batch and its updates each")
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
-    updates_per_step: int = setting(4, "U: mini-batches per rollout batch, one optimizer step each (trust regions: 2+)")
+    updates_per_step: int = setting(4, "U: mini-batches per pass over a rollout, an optimizer step each")
     ppo_epochs: int = setting(1, "E: passes over each rollout, each reshuffled into U mini-batches (verl's word)")
     staleness: int = setting(0, "k: train on rollouts sampled k steps earlier (async RL); costs k rollouts' memory")
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
@@ -189,19 +189,19 @@ def timed(phase: str):
 
 
 class Step(NamedTuple):
-    """What one RL step made, this process's share of it: for train's metrics (pending, under --staleness: no update)"""
+    """What one RL step made, this process's share of it, for train's metrics; queued (--staleness), no update yet."""
 
     rollout: "Rollout"
     rewards: torch.Tensor  # (B,) 0/1
     advantages: torch.Tensor  # (B,)
-    sampled_at: int  # the step that sampled the rollout, by the policy as the step before it left it
+    sampled_at: int  # the step that sampled the rollout, with the policy as the previous step left it
     update: dict = {}  # update_policy's metrics (and recompute_anchor's)
 
 
 def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run", cfg: Config) -> Step:
     """Sample G completions of each of P prompts, reward them, derive advantages, anchor the trust region, update pi.
-    --staleness k: rollouts are sampled k steps before they are trained on; the first k + 1 by the initial policy."""
-    while len(run.pending) <= cfg.staleness and step + len(run.pending) <= run.last_step:  # k rollouts ahead
+    --staleness k: sampled k steps ahead (step 1 samples k + 1 with pi_0, the last k steps none): ages 0, 1, .., k."""
+    while len(run.pending) <= cfg.staleness and step + len(run.pending) <= run.last_step:  # k waiting, then this one
         run.pending.append(sample_rewarded(step + len(run.pending), step, sampler, tokenizer, problems, run, cfg))
     rollout, rewards, advantages, sampled_at, _ = run.pending.popleft()  # the oldest: k steps old (fewer at first)
     anchor, correction, measured = rollout.mu, torch.ones_like(rollout.completion_mask), {}  # DPPO's: mu as sampled
@@ -213,7 +213,7 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run
 
 @timed("rollout")
 def sample_rewarded(trained_at: int, step: int, sampler, tokenizer, problems, run: "Run", cfg: Config) -> Step:
-    """Step trained_at's rollout, sampled now (at `step`): P prompts x G completions and mu, rewards, advantages."""
+    """The rollout step trained_at trains on (its prompts, as at k = 0), sampled now, at `step`; rewards, advantages."""
     indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, trained_at)  # that step's P prompts
     batch = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]  # G each
     rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
@@ -364,8 +364,8 @@ def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: d
 def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
     """E x U optimizer steps: E passes over the rollout (--ppo_epochs), each reshuffled into U mini-batches: for each
     mini-batch its token weights; for each micro-batch of its completions with A != 0, log pi, the objective's
-    per-token loss and backward; then one clipped AdamW step. In the first, pi is pi_old, and |pi - mu| is the
-    sampler's numerics alone (k = 0); pi moves away from mu from the second on: a trust region needs E x U >= 2."""
+    per-token loss and backward; then one clipped AdamW step. At k = 0, in the first update pi is pi_old and |pi - mu|
+    the sampler's numerics alone, so a trust region acts from the second: it needs E x U >= 2 (or k >= 1)."""
     A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
     measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
@@ -1603,7 +1603,7 @@ def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> di
     sums = [len(rollout.texts), answers, mask.sum(), truncated, (rollout.mu.entropy * mask).sum()]
     sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
     completions, answers, tokens, truncated, entropy = sums.tolist()
-    (rollout_s, rollout_mb), (update_s, update_mb) = clock.get("rollout", (0.0, 0.0)), clock["update"]  # k > 0: none
+    (rollout_s, rollout_mb), (update_s, update_mb) = clock.get("rollout", (0.0, 0.0)), clock["update"]
     lag = {
         "policy/staleness_steps": step - done.sampled_at,
         "rollout/sampled_at_step": done.sampled_at,
