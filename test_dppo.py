@@ -3794,6 +3794,23 @@ def test_the_sustained_drop_break_rule_and_fishers_exact_test_by_hand():
     assert study.fisher_one_sided(3, 5, 3, 5) == pytest.approx((20 * 6 + 15 * 4 + 6) / 252)  # equal counts: 0.74
 
 
+def test_a_report_stars_the_minutes_of_a_run_that_shared_its_cpu_or_resumed_and_no_other(tmp_path):
+    """A resumed run's clock restarts at its checkpoint, and a run beside other work is slowed by it: its minutes are
+    not its whole run's own, and the report says so with a star; a run with neither mark has none."""
+    for name in ("pg", "ppo_clip", "binary_tv"):
+        write_metrics(tmp_path / f"{name}-seed0", [0.3, 0.4], blocked=[0.0], blocked_rare=[0], lengths=[10])
+    for name, mark in (("pg", "resumed"), ("ppo_clip", "shared_cpu")):
+        provenance = json.loads((tmp_path / f"{name}-seed0" / "provenance.json").read_text())
+        (tmp_path / f"{name}-seed0" / "provenance.json").write_text(json.dumps(provenance | {mark: "why"}))
+    report = study_module().report(tmp_path, ["pg", "ppo_clip", "binary_tv"], ["0"], [], "sustained_drop")
+    minutes = {
+        line.split("`")[1]: line.strip("| ").split(" | ")[-1]
+        for line in report.split("| minutes |")[1].split("\n\n")[0].splitlines()
+        if line.startswith("| `")
+    }
+    assert minutes == {"pg": "1.0 *", "ppo_clip": "1.0 *", "binary_tv": "1.0"}  # one seed: no std
+
+
 def test_the_offpolicy_table_has_a_row_per_name_and_setting_with_numbers_by_hand(tmp_path):
     """study.py offpolicy: final and lowest accuracy, the largest |pi - mu| (0.1 x the last step here) and the tokens
     blocked, weighted by each step's tokens: (0.1 x 10 + 0.3 x 30) / 40 = 25% for the first setting."""

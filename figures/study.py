@@ -367,6 +367,11 @@ def breaking_table(finished, names, seeds, rule="first_drop", pairs=()) -> list[
     return lines
 
 
+def minutes_not_its_own(provenance: dict) -> bool:
+    """A record marked as sharing its CPU, or resumed from a checkpoint (its clock restarts there)."""
+    return bool(provenance.get("shared_cpu") or provenance.get("resumed"))
+
+
 def summary_table(finished, names, seeds) -> list[str]:
     """The table run_gsm8k.sh has always ended in, mean ± std over seeds; the README's demo and stress tables."""
     lines = [
@@ -496,7 +501,8 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
         f"completions truncated (%) over the first and the last {END} steps; "
         "tokens blocked (%, of all trained tokens); of the blocked, the share at branching points (μ(a_t) < 0.5) and "
         "with A < 0 and π falling (%); |π − μ| of the sampled tokens, mean over steps; minutes per run (its "
-        "evaluations included; * where a run shared its CPU, so its minutes are not its own).",
+        "evaluations included; * where a run shared its CPU or resumed from a checkpoint, so its minutes are not its "
+        "whole run's own).",
         "",
         "| name | " + " | ".join(columns) + " |",
         "|---" * (1 + len(columns)) + "|",
@@ -505,7 +511,7 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
         runs = [training(finished[name, seed][1]) for seed in seeds if (name, seed) in finished]
         formats = {"drift": ".4f", "blocked": ".2f"}
         cells = [mean_std([run[c] for run in runs if run[c] is not None], formats.get(c, ".1f")) for c in columns]
-        if any(finished[name, seed][0].get("shared_cpu") for seed in seeds if (name, seed) in finished):
+        if any(minutes_not_its_own(finished[name, seed][0]) for seed in seeds if (name, seed) in finished):
             cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += breaking_table(finished, names, seeds, rule, pairs)
