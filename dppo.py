@@ -127,7 +127,9 @@ class Config:
     epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
     updates_per_step: int = setting(4, "U: mini-batches per pass over a rollout, an optimizer step each")
     ppo_epochs: int = setting(1, "E: passes over each rollout, each reshuffled into U mini-batches (verl's word)")
-    staleness: int = setting(0, "k: train on rollouts sampled k steps earlier (async RL); costs k rollouts' memory")
+    staleness: int = setting(
+        0, "k: train on rollouts k steps old; the last k steps sample none (--steps shapes the run), --resume refills k"
+    )
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
@@ -522,9 +524,7 @@ def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_h
 
 def dppo_divergence(objective: str, pi: LogProbs, anchor: LogProbs) -> torch.Tensor:
     """D for a DPPO objective: anchor(. | s_t) and pi(. | s_t) coarsened to {a_t, the rest} or {top K, the rest}."""
-    divergence = dict(binary_tv=binary_tv, binary_kl=binary_kl, topk_tv=topk_tv, topk_kl=topk_kl).get(objective)
-    if divergence is None:
-        raise ValueError(f"{objective!r} is not a DPPO objective")
+    divergence = dict(binary_tv=binary_tv, binary_kl=binary_kl, topk_tv=topk_tv, topk_kl=topk_kl)[objective]
     if objective.startswith("binary_"):
         return divergence(logp=pi.logp, logp_anchor=anchor.logp)
     return divergence(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
@@ -572,8 +572,7 @@ def partition_tv(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tens
 
 def partition_kl(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
     """KL(anchor || pi) = sum_cells anchor(cell) log(anchor(cell) / pi(cell)), cells on the last axis."""
-    logp_anchor = logp_anchor.clamp(min=LOG_EPS)
-    logp = logp.clamp(min=LOG_EPS)
+    logp_anchor, logp = logp_anchor.clamp(min=LOG_EPS), logp.clamp(min=LOG_EPS)
     return (logp_anchor.exp() * (logp_anchor - logp)).sum(-1)
 
 
@@ -915,9 +914,7 @@ def main(argv=None) -> dict:
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
     cfg = dataclasses.replace(cfg, max_prompt_tokens=prompt_length_limit(cfg, tokenizer, train_problems + held_out))
-    first_step, carried = 1, (None, {}, collections.deque())  # the first accuracy, SAS's history, pending rollouts
-    if resume_from:
-        first_step, carried = restore_checkpoint(resume_from, model, optimizer)
+    first_step, carried = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, {})
     last_step = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     with Run(cfg, output_dir, first_step, last_step, carried, device, started) as run:
         accuracy = train(cfg, model, sampler, tokenizer, optimizer, train_problems, held_out, run)
@@ -929,28 +926,33 @@ def main(argv=None) -> dict:
 
 
 class Run(contextlib.ExitStack):
-    """The training loop's bookkeeping: the progress bar; the first accuracy, SAS's reward history and the pending
-    rollouts (from the checkpoint when resumed); records to metrics.jsonl and --report_to's tracker (rank 0); Ctrl-C."""
+    """The training loop's bookkeeping: the progress bar; what a checkpoint carries (the first accuracy, SAS's reward
+    history, the pending rollouts, the tracker's run to continue); records to metrics.jsonl and the tracker; Ctrl-C."""
 
     def __init__(self, cfg, output_dir, first_step, last_step, carried, device, started):
         super().__init__()
         rank_0 = rank_and_world()[0] == 0
         self.steps = tqdm(range(first_step, last_step + 1), desc=cfg.objective, dynamic_ncols=True, disable=not rank_0)
-        self.last_step, (self.initial_accuracy, self.reward_history, self.pending) = last_step, carried
-        self.output_dir, self.device, self.started = output_dir, device, started
-        metrics_path = output_dir / "metrics.jsonl" if rank_0 else os.devnull
+        self.last_step, self.output_dir, self.device, self.started = last_step, output_dir, device, started
+        self.initial_accuracy, self.reward_history = carried.get("initial_accuracy"), carried.get("reward_history", {})
+        self.pending, self.tracker_resume = collections.deque(carried.get("pending", [])), carried.get("tracker_resume")
+        metrics_path = output_dir / "metrics.jsonl" if rank_0 else Path(os.devnull)
+        if first_step > 1 and metrics_path.exists():  # resumed: the steps a killed run logged past its checkpoint go
+            metrics_path.write_text(records_before(metrics_path, first_step))  # (they are run, and logged, again)
         self.metrics_file = self.enter_context(open(metrics_path, "a" if first_step > 1 else "w"))
         self.tracker = cfg.report_to if rank_0 else "none"
         if self.tracker == "tensorboard":  # it keeps no run config: the flags go to its text tab
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = self.enter_context(SummaryWriter(output_dir / "tensorboard"))
+            self.writer = self.enter_context(SummaryWriter(output_dir / "tensorboard", purge_step=first_step))
             self.writer.add_text("config", json.dumps(dataclasses.asdict(cfg)))
         elif self.tracker in ("wandb", "trackio"):  # trackio takes wandb's calls
             tracker = importlib.import_module(self.tracker)
             model = Path(cfg.model).name.removesuffix(".gguf") if cfg.model else "demo"  # a study's runs: one group
             name, group = f"{model}-{cfg.objective}-seed{cfg.seed}", output_dir.resolve().parent.name
-            self.writer = tracker.init(project="dppo", name=name, group=group, config=dataclasses.asdict(cfg))
+            again = self.tracker_resume or {}  # resumed: the same run, wandb's by its id, trackio's by its name
+            self.writer = tracker.init(project="dppo", name=name, group=group, config=dataclasses.asdict(cfg), **again)
+            self.tracker_resume = dict(resume="allow", **({"id": self.writer.id} if self.tracker == "wandb" else {}))
             self.callback(self.writer.finish)
         self.ctrl_c = []  # not empty once Ctrl-C was pressed
         self.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, self.on_ctrl_c))
@@ -1103,10 +1105,8 @@ def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
         check_model_source(cfg.model)  # a --model that cannot load is refused before the dataset downloads
     train_problems, held_out = load_problems(cfg)
     if len(train_problems) < cfg.prompts_per_step or not held_out[: cfg.eval_n]:
-        fail(
-            f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; "
-            f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1"
-        )
+        needs = f"a step needs {cfg.prompts_per_step} (--prompts_per_step) and evaluation at least 1"
+        fail(f"--dataset {cfg.dataset}: {len(train_problems)} training and {len(held_out)} held-out problems; {needs}")
     return train_problems, held_out[: cfg.eval_n]
 
 
@@ -1459,8 +1459,8 @@ def save_checkpoint(run: "Run", model, tokenizer, optimizer, step: int):
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
-        carried = dict(initial_accuracy=run.initial_accuracy, reward_history=run.reward_history, pending=pending)
-        state = dict(step=step, optimizer=optimizer_state, random_states=random_states, **carried)
+        carried = {name: getattr(run, name) for name in ("initial_accuracy", "reward_history", "tracker_resume")}
+        state = dict(step=step, optimizer=optimizer_state, random_states=random_states, pending=pending, **carried)
         torch.save(state, partial / "training_state.pt")
         if final.exists():
             final.rename(old)
@@ -1468,7 +1468,7 @@ def save_checkpoint(run: "Run", model, tokenizer, optimizer, step: int):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, tuple]:
+def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, dict]:
     try:
         state = torch.load(checkpoint / "training_state.pt", weights_only=True)  # a checkpoint cannot run code
     except pickle.UnpicklingError:
@@ -1482,7 +1482,12 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, tuple]:
         torch.cuda.set_rng_state_all(state["random_states"][rank]["cuda"])
     plain = tensors_to(state["pending"][rank], model.device)  # this process's pending rollouts, rebuilt
     pending = [Step(**w | {"rollout": Rollout(**w["rollout"] | {"mu": LogProbs(**w["rollout"]["mu"])})}) for w in plain]
-    return state["step"] + 1, (state["initial_accuracy"], state["reward_history"], collections.deque(pending))
+    return state["step"] + 1, state | {"pending": pending}
+
+
+def records_before(metrics: Path, step: int) -> str:
+    """metrics.jsonl's lines of the steps before `step`: what a killed run logged later, and a line it cut short, go."""
+    return "".join(line for line in metrics.open() if line.endswith("\n") and json.loads(line)["step"] < step)
 
 
 def tensors_to(tree, device):  # every tensor in nested dicts and lists moved
@@ -1604,10 +1609,7 @@ def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> di
     sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
     completions, answers, tokens, truncated, entropy = sums.tolist()
     (rollout_s, rollout_mb), (update_s, update_mb) = clock.get("rollout", (0.0, 0.0)), clock["update"]
-    lag = {
-        "policy/staleness_steps": step - done.sampled_at,
-        "rollout/sampled_at_step": done.sampled_at,
-    }  # its rollout's
+    lag = {"policy/staleness_steps": step - done.sampled_at, "rollout/sampled_at_step": done.sampled_at}
     peaks = all_reduced(mask.new_tensor([rollout_mb, update_mb], dtype=torch.float64), dist.ReduceOp.MAX)
     return {
         "reward/mean": rewards.mean().item(),

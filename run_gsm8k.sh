@@ -148,7 +148,7 @@ if ((!report_only)); then
         finished) echo "== $name, seed $seed: finished before, skipped"; continue ;;
         resume) echo "== $name, seed $seed: resumed from its last checkpoint"; resume=(--resume "$record") ;;
         new) echo "== $name, seed $seed$([[ -e $record ]] && echo ': unfinished, no checkpoint: started over')"
-             rm -rf "$record"; resume=()
+             resume=()  # study.py start clears an unfinished record, and the new one says it started over
              python "$here/figures/study.py" start "$record" -- "${flags[@]}" ;;
       esac
       if python "$here/dppo.py" "${flags[@]}" --output_dir "$record" "${resume[@]}"; then

@@ -2501,32 +2501,61 @@ def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_ca
     assert any(n > g + 1e-9 for n, g in zip(nonzero[3:], grpo_nonzero[3:]))  # after the resume, the history counted
 
 
-def test_a_stale_run_interrupted_after_step_3_and_resumed_equals_an_uninterrupted_one(
-    demo_cache, tmp_path, monkeypatch
-):
-    """--staleness 2: the checkpoint of step 3 holds the two rollouts sampled for steps 4 and 5 (by the policies after
-    steps 1 and 2), and the process dies in step 4; resumed, the run trains on them as the uninterrupted run does."""
-    flags = "--steps 6 --staleness 2 --save_every 3"
-    demo_run(demo_cache, tmp_path / "whole", flags)
-    real_update, calls = dppo.update_policy, []
+KILLED_ONCE_ITS_LAST_STEP_IS_LOGGED = """import os, signal, sys
+sys.path.insert(0, {here!r})
+import dppo
+dppo.save_model = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # every step logged, the model not yet saved
+dppo.main(sys.argv[1:])
+"""
 
-    def dies_in_step_4(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("the process dies in step 4")
-        return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(dppo, "update_policy", dies_in_step_4)
-    with pytest.raises(RuntimeError, match="dies in step 4"):
-        demo_run(demo_cache, tmp_path / "halves", flags)
-    state = torch.load(tmp_path / "halves" / "checkpoint" / "training_state.pt", weights_only=True)
-    assert [waiting["sampled_at"] for waiting in state["pending"][0]] == [2, 3]  # for steps 4 and 5
-    monkeypatch.setattr(dppo, "update_policy", real_update)
-    demo_run(demo_cache, tmp_path / "halves", f"{flags} --resume {tmp_path / 'halves'}")
-    whole, halves = records(tmp_path / "whole"), records(tmp_path / "halves")
-    assert [r["step"] for r in halves] == [0, 1, 2, 3, 3, 4, 5, 6, 6]
-    assert comparable(halves) == comparable(whole)
-    assert [r["policy/staleness_steps"] for r in whole if "loss" in r] == [0, 1, 2, 2, 2, 2]
+def killed_script(tmp_path) -> Path:
+    """A dppo.py that kills itself (SIGKILL, as the kernel's out-of-memory killer or a preempted node does) once it has
+    logged its last step: what it logged past its last checkpoint stays in metrics.jsonl, as after a kill mid-run."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_ONCE_ITS_LAST_STEP_IS_LOGGED.format(here=str(HERE)))
+    return script
+
+
+@pytest.mark.parametrize("reuse", ["", "--staleness 2 --ppo_epochs 2"])
+def test_a_run_killed_two_steps_past_its_checkpoint_resumes_to_the_uninterrupted_record(reuse, demo_cache, tmp_path):
+    """Killed once steps 4 and 5 are logged (the checkpoint is step 3's), its last line cut short as a kill in the
+    middle of a write leaves it; resumed, metrics.jsonl holds the uninterrupted run's records, each once. With
+    --staleness 2 the checkpoint holds the rollouts sampled for steps 4 and 5 (by the policies after steps 2 and 3)."""
+    flags = f"--cache_dir {demo_cache} {SMALL_DEMO} --eval_every 3 --objective dcpo --steps 5 --save_every 3 {reuse}"
+
+    def run(out, script=HERE / "dppo.py", *more):
+        command = [sys.executable, str(script), *flags.split(), "--output_dir", str(out), *more]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    assert run(tmp_path / "whole").returncode == 0
+    assert run(tmp_path / "killed", killed_script(tmp_path)).returncode == -signal.SIGKILL
+    assert logged_steps(tmp_path / "killed") == [0, 1, 2, 3, 3, 4, 5, 5]  # step 3's evaluation, then 4 and 5
+    with (tmp_path / "killed" / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 6, "reward/me')
+    state = torch.load(tmp_path / "killed" / "checkpoint" / "training_state.pt", weights_only=True)
+    assert [waiting["sampled_at"] for waiting in state["pending"][0]] == ([2, 3] if reuse else [])
+    resumed = run(tmp_path / "killed", HERE / "dppo.py", "--resume", str(tmp_path / "killed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole, killed = records(tmp_path / "whole"), records(tmp_path / "killed")
+    assert [r["step"] for r in killed] == [0, 1, 2, 3, 3, 4, 5, 5]
+    assert comparable(killed) == comparable(whole)
+    assert [r.get("policy/staleness_steps") for r in whole if "loss" in r] == ([0, 1, 2, 2, 2] if reuse else [None] * 5)
+
+
+def test_the_last_k_steps_sample_nothing_and_a_stale_run_extended_by_resume_refills_its_queue(demo_cache, tmp_path):
+    """--staleness 2: the last 2 steps sample no rollout, so a run of 3 steps draws fewer random numbers from step 2
+    on than a run of 6 and its trajectory parts from step 2. A finished run extended by --resume to more steps
+    samples 3 rollouts at its next step, as a new run does at step 1: its steps 4 to 6 train on rollouts 0, 1 and 2
+    steps old, where the run of 6 steps trains on rollouts 2 steps old."""
+    demo_run(demo_cache, tmp_path / "six", "--steps 6 --staleness 2")
+    demo_run(demo_cache, tmp_path / "three", "--steps 3 --staleness 2 --save_every 3")
+    six, three = step_records(tmp_path / "six"), step_records(tmp_path / "three")
+    assert comparable(three[:1]) == comparable(six[:1]) and comparable(three[1:2]) != comparable(six[1:2])
+    demo_run(demo_cache, tmp_path / "three", f"--steps 6 --staleness 2 --resume {tmp_path / 'three'}")
+    extended = step_records(tmp_path / "three")
+    assert [r["policy/staleness_steps"] for r in extended] == [0, 1, 2, 0, 1, 2]
+    assert [r["policy/staleness_steps"] for r in six] == [0, 1, 2, 2, 2, 2]
 
 
 class CodeOnLoad:
@@ -3478,20 +3507,25 @@ def test_a_missing_tracker_package_is_one_line_naming_its_pip_install(tracker, c
     assert says.endswith(f"--report_to {tracker}: the {tracker} package is not installed; pip install {tracker}")
 
 
-def tracked_run(tracker: str, demo_cache, tmp_path, **env) -> tuple[list[dict], dict]:
-    """A 2-step demo run with --report_to TRACKER in a fresh interpreter (where the trackers keep their global state):
-    the records of its metrics.jsonl, and its flags as a dict."""
+def tracked_run(tracker: str, demo_cache, tmp_path, **env) -> tuple[list[dict], list[dict], dict]:
+    """A 3-step demo run with --report_to TRACKER in a fresh interpreter (where the trackers keep their global state),
+    with a checkpoint at step 2, then resumed from it, as after a kill past it: step 3 is run and logged again. The
+    records of its first metrics.jsonl, of its last (the same, step 3's from the resumed run), and its flags."""
     if importlib.util.find_spec(tracker) is None:
         missing_test_asset(f"{tracker} is not installed: pip install {tracker}")
-    out = tmp_path / "run"
-    flags = f"{SMALL_DEMO} --eval_every 1 --steps 2 --cache_dir {demo_cache} --report_to {tracker} --output_dir {out}"
-    command = [sys.executable, str(HERE / "dppo.py"), *flags.split()]
-    env = {**os.environ, **env}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    logged = records(out)
-    assert [r["step"] for r in logged] == [0, 1, 1, 2, 2]  # a step's record, then its evaluation's
-    return logged, dataclasses.asdict(dppo.parse_config(flags.split()))
+    out, logged = tmp_path / "run", []
+    flags = f"{SMALL_DEMO} --eval_every 1 --steps 3 --save_every 2 --cache_dir {demo_cache} --report_to {tracker}"
+    flags += f" --output_dir {out}"
+    for resume in ([], ["--resume", str(out)]):
+        command = [sys.executable, str(HERE / "dppo.py"), *flags.split(), *resume]
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=os.environ | env, cwd=tmp_path, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        logged.append(records(out))
+    assert [r["step"] for r in logged[1]] == [0, 1, 1, 2, 2, 3, 3]  # a step's record, then its evaluation's
+    assert comparable(logged[1]) == comparable(logged[0]) and logged[1][-1] != logged[0][-1]  # step 3: run again
+    return *logged, dataclasses.asdict(dppo.parse_config(flags.split()))
 
 
 def by_step(records: list[dict]) -> dict:
@@ -3502,8 +3536,12 @@ def by_step(records: list[dict]) -> dict:
     return dict(merged)
 
 
-def test_tensorboard_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cache, tmp_path):
-    records, flags = tracked_run("tensorboard", demo_cache, tmp_path)
+def test_tensorboard_gets_every_record_of_metrics_jsonl_and_the_flags_and_drops_a_resumed_runs_later_ones(
+    demo_cache, tmp_path
+):
+    """A resumed run's tensorboard directory holds each step once: the events an earlier process logged past the
+    checkpoint are dropped (purge_step), the resumed run's kept."""
+    _, records, flags = tracked_run("tensorboard", demo_cache, tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
@@ -3536,16 +3574,25 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
-def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cache, tmp_path):
+def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_resumed_run_continues_it(
+    demo_cache, tmp_path
+):
+    """Offline, wandb writes a file per process; the resumed run's has the first's run id (resume="allow"), so that
+    `wandb sync` sends both to one run, and holds what the resumed run logged."""
     home = {f"WANDB_{name}_DIR": str(tmp_path / name.lower()) for name in ("CONFIG", "CACHE", "DATA")}
-    records, flags = tracked_run("wandb", demo_cache, tmp_path, WANDB_MODE="offline", **home)
-    [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # wandb writes ./wandb
-    logged, config = wandb_records(run_file), {}
-    rows = [
-        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-        for record in logged
-        if record.HasField("history")
+    records, continued, flags = tracked_run("wandb", demo_cache, tmp_path, WANDB_MODE="offline", **home)
+    first, second = (wandb_records(file) for file in sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")))
+
+    def rows_of(logged: list) -> list[dict]:
+        history = [record.history.item for record in logged if record.HasField("history")]
+        return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in row} for row in history]
+
+    run_ids = [next(record.run for record in logged if record.HasField("run")).run_id for logged in (first, second)]
+    assert run_ids[0] == run_ids[1]
+    assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows_of(second)] == [
+        by_step(continued)[3]
     ]
+    logged, rows, config = first, rows_of(first), {}
     for record in logged:
         items = [*record.run.config.update, *record.config.update]
         config.update({item.key: json.loads(item.value_json) for item in items})
@@ -3556,13 +3603,19 @@ def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cac
     assert (run.display_name, run.run_group) == (f"demo-{flags['objective']}-seed{flags['seed']}", tmp_path.name)
 
 
-def test_trackio_gets_every_record_of_metrics_jsonl_and_the_flags(demo_cache, tmp_path):
-    records, flags = tracked_run("trackio", demo_cache, tmp_path, TRACKIO_DIR=str(tmp_path / "trackio"))
+def test_trackio_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_resumed_run_continues_it(demo_cache, tmp_path):
+    """The resumed run goes on in the same trackio run (the latest of its name); the step the earlier process logged
+    past the checkpoint stays there beside the resumed run's (trackio drops no step)."""
+    records, continued, flags = tracked_run("trackio", demo_cache, tmp_path, TRACKIO_DIR=str(tmp_path / "trackio"))
     with contextlib.closing(sqlite3.connect(tmp_path / "trackio" / "dppo.db")) as database:
-        logged = database.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+        logged = database.execute("SELECT step, metrics, run_id FROM metrics ORDER BY id").fetchall()
         [[config]] = database.execute("SELECT config FROM configs").fetchall()
-    assert [(step, json.loads(values)) for step, values in logged] == [(r.pop("step"), r) for r in records]
-    assert {k: v for k, v in json.loads(config).items() if not k.startswith("_")} == {**flags, "is_cap": "Infinity"}
+    assert len({run for _, _, run in logged}) == 1
+    resumed_part = [dict(r) for r in continued if r["step"] == 3]
+    expected = [(r.pop("step"), r) for r in [*records, *resumed_part]]
+    assert [(step, json.loads(values)) for step, values, _ in logged] == expected
+    resumed_flags = {**flags, "resume": str(tmp_path / "run"), "is_cap": "Infinity"}  # the config: the latest run's
+    assert {k: v for k, v in json.loads(config).items() if not k.startswith("_")} == resumed_flags
 
 
 # ---------------------------------------------------------------------------- run_gsm8k.sh
@@ -3874,28 +3927,43 @@ def test_a_study_records_a_run_stopped_by_a_non_finite_loss_and_goes_on_but_ends
 def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_refuses_a_record_of_other_flags(
     demo_cache, tmp_path
 ):
-    """run_gsm8k.sh's demo study, killed (SIGKILL, the whole process group) once its first checkpoint is written, then
-    started again: it resumes from that checkpoint, and its records equal an uninterrupted run's. The same study with
-    another flag is refused in one line naming the flag and the record's directory, and the record is kept."""
+    """run_gsm8k.sh's demo study, killed (SIGKILL, the whole process group) once it has logged step 1, before its
+    first checkpoint: started again, it starts the run over, and the new record says so. Killed again once that
+    checkpoint is written, then started again: it resumes from the checkpoint, the record says so, and its records
+    equal an uninterrupted run's. The same study with another flag is refused in one line naming the flag and the
+    record's directory, and the record is kept."""
     flags = f"{SMALL_DEMO} --steps 6 --eval_every 2 --cache_dir {demo_cache}".split()
 
     def study(out, *more):
         options = ["--demo", "--objectives", "binary_tv", "--save_every", "2", "--out", str(out)]
         return ["bash", str(HERE / "run_gsm8k.sh"), *options, "--", *flags, *more]
 
+    def killed_once(written) -> int:  # the step of the last record when it was killed
+        killed = subprocess.Popen(study(tmp_path / "killed"), start_new_session=True, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while not written() and killed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        assert not json.loads((record / "provenance.json").read_text())["finished"]
+        return json.loads((record / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+
     whole = subprocess.run(study(tmp_path / "whole"), capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
     record = tmp_path / "killed" / "binary_tv-seed0"
-    killed = subprocess.Popen(study(tmp_path / "killed"), start_new_session=True, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (record / "checkpoint").exists() and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
-    assert not json.loads((record / "provenance.json").read_text())["finished"]
+    first = killed_once(lambda: step_records_so_far(record))
+    assert not (record / "checkpoint").exists()
+    second = killed_once(lambda: (record / "checkpoint").exists())
+    provenance = json.loads((record / "provenance.json").read_text())
+    [started_over] = provenance["started_over"]  # when, and how far the attempt before got
+    assert re.fullmatch(
+        rf"at [\d: -]+: the attempt started [\d: -]+ had logged up to step {first} and left no checkpoint", started_over
+    )
     again = subprocess.run(study(tmp_path / "killed"), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "resumed from its last checkpoint" in again.stdout, again.stderr[-3000:]
     assert comparable(records(record)) == comparable(records(tmp_path / "whole" / "binary_tv-seed0"))
+    [resumed] = json.loads((record / "provenance.json").read_text())["resumed"]
+    assert f"from its step-2 checkpoint (the attempt before had logged up to step {second})" in resumed
     before = (record / "metrics.jsonl").read_bytes()
     other = subprocess.run(study(tmp_path / "killed", "--learning_rate", "3e-4"), capture_output=True, text=True)
     assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
@@ -4204,11 +4272,14 @@ def two_process_demo(demo_cache, out, flags: str) -> subprocess.CompletedProcess
     return result
 
 
-def test_two_process_demo_runs_saves_one_model_and_resumes_exactly(demo_cache, tmp_path):
-    """dcpo, so that SAS's history crosses processes and the interruption; 21 held-out problems, split 11 + 10."""
+def test_two_process_demo_runs_saves_one_model_and_resumes_exactly_after_a_kill(demo_cache, tmp_path):
+    """dcpo, so that SAS's history crosses processes and the interruption; 21 held-out problems, split 11 + 10. Both
+    processes killed (SIGKILL) after step 4, two steps past the checkpoint; resumed, each record is there once."""
     two_process_demo(demo_cache, tmp_path / "whole", "--steps 4")
-    two_process_demo(demo_cache, tmp_path / "halves", "--steps 2 --save_every 2")
-    two_process_demo(demo_cache, tmp_path / "halves", f"--steps 4 --resume {tmp_path / 'halves'}")
+    run = f"{TWO_PROCESS_DEMO} --cache_dir {demo_cache} --eval_every 2 --objective dcpo --steps 4 --save_every 2"
+    killed = torchrun(killed_script(tmp_path), *run.split(), "--output_dir", tmp_path / "halves")
+    assert killed.returncode != 0 and logged_steps(tmp_path / "halves")[:5] == [0, 1, 2, 2, 3], killed.stderr[-3000:]
+    two_process_demo(demo_cache, tmp_path / "halves", f"--steps 4 --save_every 2 --resume {tmp_path / 'halves'}")
     whole, halves = records(tmp_path / "whole"), records(tmp_path / "halves")
     assert [r["step"] for r in whole] == [0, 1, 2, 2, 3, 4, 4]  # one writer: each record once
     assert all(math.isfinite(v) for r in whole for v in r.values())

@@ -82,10 +82,22 @@ def portable(flags: list[str]) -> list[str]:
 
 
 def start(run_dir: Path, flags: list[str]):
+    """A new record in run_dir. An unfinished record there (one with no checkpoint to resume from) is started over,
+    and the new record says so: when, and how far each earlier attempt got, whose minutes are in no record's clock."""
     import torch
     import transformers
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    started_over = []
+    if (run_dir / "provenance.json").exists():
+        earlier = json.loads((run_dir / "provenance.json").read_text())
+        if earlier["finished"] is not None:
+            refuse(f"{run_dir} holds a finished run: give this one another --out")
+        step = last_logged_step(run_dir)
+        got = f"logged up to step {step}" if step is not None else "logged no step"
+        attempt = f"at {now()}: the attempt started {earlier['started']} had {got} and left no checkpoint"
+        started_over = [*earlier.get("started_over", []), attempt]
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # nothing of an earlier attempt is kept but that note
+    run_dir.mkdir(parents=True)
     file = model_file(flags)
     provenance = {
         "commit": commit(),
@@ -95,8 +107,9 @@ def start(run_dir: Path, flags: list[str]):
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "started": now(),
         "finished": None,
+        **({"started_over": started_over} if started_over else {}),
     }
     (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
 
@@ -113,8 +126,19 @@ def finish(run_dir: Path, keep_models: bool, stopped: bool = False):
     for path in run_dir.iterdir():  # the trained model: the study keeps its numbers, not its weights
         if path.name not in KEPT and not keep_models:
             subprocess.run(["rm", "-rf", str(path)], check=True)
-    provenance["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    provenance["finished"] = now()
     (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def last_logged_step(run_dir: Path) -> int | None:
+    """The step of the last whole record in run_dir's metrics.jsonl (a killed run may leave its last line cut short)."""
+    path = run_dir / "metrics.jsonl"
+    whole = path.read_text().split("\n")[:-1] if path.exists() else []  # after the last newline: "" or a cut line
+    return json.loads(whole[-1])["step"] if whole else None
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -139,8 +163,9 @@ def refuse(message: str):
 
 
 def state(run_dir: Path, flags: list[str]) -> str:
-    """'finished' (skip it), 'resume' (from its checkpoint) or 'new'; a record whose flags (model included) or commit
-    differ from the run asked for is refused in one line, exit 2: never skipped, never overwritten."""
+    """'finished' (skip it), 'resume' (from its checkpoint; the record says when, and how far the attempt before got;
+    dppo.py --resume drops the records logged past the checkpoint) or 'new'; a record whose flags (model included) or
+    commit differ from the run asked for is refused in one line, exit 2: never skipped, never overwritten."""
     path = run_dir / "provenance.json"
     if not path.exists():
         return "new"
@@ -168,9 +193,12 @@ def state(run_dir: Path, flags: list[str]) -> str:
         return "new"
     import torch
 
-    step = torch.load(checkpoint, weights_only=False)["step"]
-    kept = [line for line in (run_dir / "metrics.jsonl").open() if json.loads(line)["step"] <= step]
-    (run_dir / "metrics.jsonl").write_text("".join(kept))  # the steps after the checkpoint are run again
+    step = torch.load(checkpoint, weights_only=True)["step"]
+    resumed = recorded.get("resumed", [])
+    resumed = [resumed] if isinstance(resumed, str) else resumed  # a note written by hand
+    got = f"the attempt before had logged up to step {last_logged_step(run_dir)}"
+    resumed.append(f"at {now()} from its step-{step} checkpoint ({got}): from started to finished is not its run time")
+    path.write_text(json.dumps(recorded | {"resumed": resumed}, indent=1) + "\n")
     return "resume"
 
 
