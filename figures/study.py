@@ -4,6 +4,7 @@
     python figures/study.py state RUN_DIR -- DPPO_FLAGS...   # finished, resume or new; exit 2 if the record differs
     python figures/study.py finish RUN_DIR [--stopped]       # marks the run finished; deletes its model's files
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
+                                   [--rule first_drop|sustained_drop] [--gap sign|sign_and_interval]
     python figures/study.py compare --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" --step 20
 
 A run's record is RUN_DIR = DIR/<name>-seed<seed>/ with provenance.json and dppo.py's metrics.jsonl; a record is
@@ -451,16 +452,28 @@ T_975 = [
 ]  # Student's t, 97.5%, 1 to 9 degrees of freedom
 
 
-def t_interval(gaps: list[float]) -> str:
+GAPS = {  # each study's pre-registered gap criterion, by name (report --gap)
+    "sign": "one sign on every seed",
+    "sign_and_interval": "one sign on every seed and a 95% t interval that excludes 0",
+}
+
+
+def t_bounds(gaps: list[float]) -> tuple[float, float] | None:
     """The 95% t interval of the mean paired difference, seeds - 1 degrees of freedom."""
     if not 2 <= len(gaps) <= len(T_975) + 1:
-        return "–"
+        return None
     half = T_975[len(gaps) - 2] * statistics.stdev(gaps) / math.sqrt(len(gaps))
-    return f"[{statistics.mean(gaps) - half:+.1f}, {statistics.mean(gaps) + half:+.1f}]"
+    return statistics.mean(gaps) - half, statistics.mean(gaps) + half
 
 
-def paired_verdict(gaps: list[float], n_seeds: int) -> str:
-    """The criterion fixed before the runs: a gap only if every seed's difference has the same sign."""
+def t_interval(gaps: list[float]) -> str:
+    bounds = t_bounds(gaps)
+    return "–" if bounds is None else f"[{bounds[0]:+.1f}, {bounds[1]:+.1f}]"
+
+
+def paired_verdict(gaps: list[float], n_seeds: int, criterion: str = "sign") -> str:
+    """The criterion fixed before the runs (GAPS): a gap only if every seed's difference has the same sign, and under
+    sign_and_interval only if its 95% t interval excludes 0 too."""
     signs = {(gap > 0) - (gap < 0) for gap in gaps}
     if not gaps:
         return "no seed has both runs"
@@ -470,7 +483,12 @@ def paired_verdict(gaps: list[float], n_seeds: int) -> str:
         return "within the seeds' spread" if len(gaps) > 1 else "one seed, no sign"
     if len(gaps) < n_seeds:
         return f"one sign so far ({len(gaps)} of {n_seeds} seeds)"
-    return "a gap: one sign in every seed"
+    if criterion == "sign":
+        return "a gap: one sign in every seed"
+    low, high = t_bounds(gaps) or (0.0, 0.0)
+    if low <= 0 <= high:
+        return "one sign in every seed, interval includes 0: not a gap"
+    return "a gap: one sign in every seed, interval excludes 0"
 
 
 def machine_text(origin: dict) -> str:
@@ -480,7 +498,9 @@ def machine_text(origin: dict) -> str:
     return cpu + ("" if origin["gpu"] in ("none", "not recorded", "–") else f", GPU {origin['gpu']}")
 
 
-def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]], rule="first_drop") -> str:
+def report(
+    directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]], rule="first_drop", gap="sign"
+) -> str:
     finished, absent, origin = load_records(directory, names, seeds)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
     eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
@@ -504,11 +524,13 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
         lines.append(f"| `{name}` | {', '.join(runs) or '–'} | " + " | ".join(cells) + " |")
     if pairs:
         chance = 100 * 2 * 0.5 ** len(seeds)
+        chance = f"which {len(seeds)} seeds meet by chance {chance:.0f}% of the time under a coin-flip sign"
+        criterion = f"{GAPS[gap]}, {chance}" if gap == "sign" else f"{GAPS[gap]} (one sign alone, {chance})"
         lines += [
             "",
             "Paired differences in points, per seed (same seed, same prompt order), their mean ± std and its 95% t "
-            "interval (seeds − 1 degrees of freedom); the verdict is the criterion fixed before the runs, one sign on "
-            f"every seed, which {len(seeds)} seeds meet by chance {chance:.0f}% of the time under a coin-flip sign:",
+            "interval (seeds − 1 degrees of freedom); the verdict is the criterion fixed before the runs, "
+            f"{criterion}:",
             "",
         ]
         lines += ["| pair | step | " + " | ".join(f"seed {seed}" for seed in seeds) + " | mean | 95% t | verdict |"]
@@ -519,7 +541,8 @@ def report(directory: Path, names: list[str], seeds: list[str], pairs: list[tupl
             gaps = {s: accuracies(finished[a, s][1])[step] - accuracies(finished[b, s][1])[step] for s in shared}
             cells = [f"{gaps[s]:+.1f}" if s in gaps else "–" for s in seeds]
             gap_list = list(gaps.values())
-            summary = f"{mean_std(gap_list, '+.1f')} | {t_interval(gap_list)} | {paired_verdict(gap_list, len(seeds))}"
+            verdict = paired_verdict(gap_list, len(seeds), gap)
+            summary = f"{mean_std(gap_list, '+.1f')} | {t_interval(gap_list)} | {verdict}"
             lines.append(f"| `{a}` − `{b}` | {step} | " + " | ".join(cells) + f" | {summary} |")
     columns = ["reward end", "truncated first", "truncated end", "blocked", "at branching", "A<0, falling", "drift"]
     columns.append("minutes")
@@ -682,9 +705,10 @@ def main(argv=None):
     parser.add_argument("--pair", action="append", default=[], help='"A B": A − B per seed; repeatable')
     parser.add_argument("--figure", type=Path, help="where the figure goes (default DIRECTORY/curves.png)")
     parser.add_argument("--rule", choices=list(RULES), default="first_drop", help="the study's registered break rule")
+    parser.add_argument("--gap", choices=list(GAPS), default="sign", help="the study's registered gap criterion")
     args = parser.parse_args(argv)
     names, seeds = args.names.split(), args.seeds.split()
-    table = report(args.directory, names, seeds, [tuple(pair.split()) for pair in args.pair], args.rule)
+    table = report(args.directory, names, seeds, [tuple(pair.split()) for pair in args.pair], args.rule, args.gap)
     (args.directory / "results.md").write_text(table)
     print(table, end="")
     try:
