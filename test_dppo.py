@@ -3847,6 +3847,30 @@ def test_the_sustained_drop_break_rule_and_fishers_exact_test_by_hand():
     assert study.fisher_one_sided(3, 5, 3, 5) == pytest.approx((20 * 6 + 15 * 4 + 6) / 252)  # equal counts: 0.74
 
 
+def test_the_delay_sign_test_and_the_break_counts_across_directories_by_hand(tmp_path):
+    """The reuse study's readings (figures/reuse_demo/preregistration.md): the sign test's p (9 of 10 and 5 of 5
+    pass at 0.05, 8 of 10 and 4 of 4 do not); a mask that never broke counts as later, one that broke at the same
+    step does not, a seed where neither broke is left out; the break counts of two directories and Fisher's p."""
+    study = study_module()
+    assert [study.sign_test_one_sided(*k) for k in ((9, 10), (5, 5), (8, 10), (4, 4))] == [
+        11 / 1024,
+        1 / 32,
+        56 / 1024,
+        1 / 16,
+    ]
+    curves = {"pg": [[30, 20, 20], [30, 20, 20], [30, 40, 40]], "binary_tv": [[30, 40, 40], [30, 20, 20], [30, 40, 40]]}
+    for name, runs in curves.items():  # broke at step 2, 2, none; and none, 2, none
+        for seed, accuracies in enumerate(runs):
+            write_metrics(tmp_path / "E4" / f"{name}-seed{seed}", accuracies, [0.0], [0.0], [10])
+            write_metrics(tmp_path / "E1" / f"{name}-seed{seed}", [30, 40, 40], [0.0], [0.0], [10])
+    finished = study.load_records(tmp_path / "E4", ["pg", "binary_tv"], ["0", "1", "2"])[0]
+    assert study.later_breaks(finished, "binary_tv", "pg", ["0", "1", "2"], "sustained_drop") == (1, 2)
+    table = study.breaks(
+        [("E 1", tmp_path / "E1"), ("E 4", tmp_path / "E4")], ["pg", "binary_tv"], ["0", "1", "2"], "sustained_drop"
+    )
+    assert "| `pg` | 0 of 3 | 2 of 3 | 0.200 |" in table and "| `binary_tv` | 0 of 3 | 1 of 3 | 0.500 |" in table
+
+
 def test_a_report_stars_the_minutes_of_a_run_that_shared_its_cpu_or_resumed_and_no_other(tmp_path):
     """A resumed run's clock restarts at its checkpoint, and a run beside other work is slowed by it: its minutes are
     not its whole run's own, and the report says so with a star; a run with neither mark has none."""

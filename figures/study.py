@@ -6,6 +6,7 @@
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
                                    [--rule first_drop|sustained_drop] [--gap sign|sign_and_interval]
     python figures/study.py compare --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" --step 20
+    python figures/study.py breaks --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" [--figure F]
 
 A run's record is RUN_DIR = DIR/<name>-seed<seed>/ with provenance.json and dppo.py's metrics.jsonl; a record is
 finished once provenance.json says so. The report (DIR/results.md and DIR/curves.png) gives per name the mean ± std
@@ -343,6 +344,28 @@ def fisher_one_sided(breaks_a: int, runs_a: int, breaks_b: int, runs_b: int) -> 
     return sum(ways) / math.comb(runs, runs_b)
 
 
+def sign_test_one_sided(successes: int, n: int) -> float:
+    """The exact sign test, one-sided: the chance of `successes` or more of n, each with probability 1/2."""
+    return sum(math.comb(n, k) for k in range(successes, n + 1)) / 2**n
+
+
+def broke_at(provenance: dict, records, rule: str) -> int | None:
+    broke = breaking(provenance, records, rule)["broke at"]
+    return None if broke == "none" else int(broke.split()[1])
+
+
+def later_breaks(finished, a: str, b: str, seeds: list[str], rule: str) -> tuple[int, int]:
+    """On the seeds where a's run or b's broke: (on how many a broke later than b, how many). A run that never broke
+    counts as later; both breaking at the same step does not."""
+    later = either = 0
+    for seed in [seed for seed in seeds if (a, seed) in finished and (b, seed) in finished]:
+        at_a, at_b = (broke_at(*finished[name, seed], rule) for name in (a, b))
+        if at_a is not None or at_b is not None:
+            either += 1
+            later += at_b is not None and (at_a is None or at_a > at_b)
+    return later, either
+
+
 def breaking(provenance: dict, records, rule: str = "first_drop") -> dict:
     """Where a run broke, if it did: its first evaluation that breaks it under `rule` (RULES), or the step whose loss
     was non-finite (dppo.py stopped there), whichever came first; and the run's extremes."""
@@ -363,9 +386,9 @@ def breaking(provenance: dict, records, rule: str = "first_drop") -> dict:
     }
 
 
-def breaking_table(finished, names, seeds, rule="first_drop", pairs=()) -> list[str]:
+def breaking_table(finished, names, seeds, rule="first_drop", pairs=(), delay=False) -> list[str]:
     """Per run, where it broke (under `rule`, or a non-finite loss) and its extremes; under sustained_drop, each pair's
-    break counts and Fisher's one-sided p."""
+    break counts and Fisher's one-sided p; with delay, on how many seeds each pair's first broke later (a sign test)."""
     columns = ["step 0", "last evaluation", "lowest", "broke at", "largest gradient norm"]
     lines = [
         "",
@@ -393,6 +416,17 @@ def breaking_table(finished, names, seeds, rule="first_drop", pairs=()) -> list[
                 counts += [sum(run["broke at"] != "none" for run in runs), len(runs)]
             p = f"p = {fisher_one_sided(*counts):.3f}" if counts[1] and counts[3] else "no runs"
             lines.append(f"- `{a}` {counts[0]} of {counts[1]}, `{b}` {counts[2]} of {counts[3]}: {p}")
+    if rule == "sustained_drop" and pairs and delay:
+        lines += [
+            "",
+            "Per pair, on the seeds where either run broke: on how many the first broke later than the second (one "
+            "that never broke counts as later; both at the same step do not), and the exact one-sided sign test's p:",
+            "",
+        ]
+        for a, b in pairs:
+            later, either = later_breaks(finished, a, b, seeds, rule)
+            p = f"p = {sign_test_one_sided(later, either):.3f}" if either else "neither broke on any seed"
+            lines.append(f"- `{a}` later than `{b}` on {later} of {either}: {p}")
     return lines
 
 
@@ -499,7 +533,13 @@ def machine_text(origin: dict) -> str:
 
 
 def report(
-    directory: Path, names: list[str], seeds: list[str], pairs: list[tuple[str, str]], rule="first_drop", gap="sign"
+    directory: Path,
+    names: list[str],
+    seeds: list[str],
+    pairs: list[tuple[str, str]],
+    rule="first_drop",
+    gap="sign",
+    delay=False,
 ) -> str:
     finished, absent, origin = load_records(directory, names, seeds)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
@@ -565,7 +605,7 @@ def report(
         if any(minutes_not_its_own(finished[name, seed][0]) for seed in seeds if (name, seed) in finished):
             cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += breaking_table(finished, names, seeds, rule, pairs)
+    lines += breaking_table(finished, names, seeds, rule, pairs, delay)
     lines += summary_table(finished, names, seeds)
     if absent:
         lines += ["", f"Not in the tables: {'; '.join(absent)}."]
@@ -598,6 +638,60 @@ def compare(columns: list[tuple[str, Path]], names: list[str], seeds: list[str],
         where = f"`{directory}`, commit {origin['commit'][:7]}, {machine_text(origin)}"
         lines.append(f"- {label}: {where}; flags `{' '.join(flags)}`")
     return "\n".join(lines) + "\n"
+
+
+def breaks(columns: list[tuple[str, Path]], names: list[str], seeds: list[str], rule: str) -> str:
+    """Per name, its break count in each record directory (a setting: E = 1 against E = 4, say) and Fisher's exact
+    one-sided p that it breaks more often in the second than in the first. Nothing is pooled across directories."""
+    loaded = [(label, directory, *load_records(directory, names, seeds)) for label, directory in columns]
+    (first, *_), (second, *_) = loaded[:2]
+    lines = [
+        f"Runs broken ({RULES[rule]}, or a non-finite loss), per name and record directory, and Fisher's exact "
+        f"one-sided p that a name breaks more often in `{second}` than in `{first}`:",
+        "",
+        "| name | " + " | ".join(label for label, *_ in loaded) + " | p |",
+        "|---" * (2 + len(loaded)) + "|",
+    ]
+    for name in names:
+        counts = []
+        for _, _, finished, _, _ in loaded:
+            runs = [broke_at(*finished[name, seed], rule) for seed in seeds if (name, seed) in finished]
+            counts.append((sum(run is not None for run in runs), len(runs)))
+        p = f"{fisher_one_sided(*counts[0], *counts[1]):.3f}" if counts[0][1] and counts[1][1] else "–"
+        lines.append(f"| `{name}` | " + " | ".join(f"{b} of {n}" for b, n in counts) + f" | {p} |")
+    lines.append("")
+    for label, directory, finished, absent, origin in loaded:
+        missing = f"; not in the table: {'; '.join(absent)}" if absent else ""
+        lines.append(f"- {label}: `{directory}`, commit {origin['commit'][:7]}, {machine_text(origin)}{missing}")
+    return "\n".join(lines) + "\n"
+
+
+def draw_settings(columns: list[tuple[str, Path]], names: list[str], seeds: list[str], path: Path):
+    """A panel per name: its held-out accuracy over steps in each record directory, mean and min–max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loaded = [(label, load_records(directory, names, seeds)[0]) for label, directory in columns]
+    figure, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 3.6), sharey=True, squeeze=False)
+    for name, ax in zip(names, axes[0]):
+        for i, (label, finished) in enumerate(loaded):
+            curves = [accuracies(finished[name, seed][1]) for seed in seeds if (name, seed) in finished]
+            if not curves:
+                continue
+            steps = sorted(set.intersection(*(set(curve) for curve in curves)))
+            values = [[curve[step] for curve in curves] for step in steps]
+            mean = [statistics.mean(v) for v in values]
+            ax.plot(steps, mean, color=f"C{i}", marker="o", markersize=4, label=f"{label} ({len(curves)})")
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.2)
+        ax.set_title(f"{name}: held-out accuracy (%)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8, title="setting (seeds)", title_fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def knob(records) -> dict:
@@ -706,9 +800,10 @@ def main(argv=None):
     parser.add_argument("--figure", type=Path, help="where the figure goes (default DIRECTORY/curves.png)")
     parser.add_argument("--rule", choices=list(RULES), default="first_drop", help="the study's registered break rule")
     parser.add_argument("--gap", choices=list(GAPS), default="sign", help="the study's registered gap criterion")
+    parser.add_argument("--delay", action="store_true", help="sustained_drop: does each pair's first break later?")
     args = parser.parse_args(argv)
-    names, seeds = args.names.split(), args.seeds.split()
-    table = report(args.directory, names, seeds, [tuple(pair.split()) for pair in args.pair], args.rule, args.gap)
+    names, seeds, pairs = args.names.split(), args.seeds.split(), [tuple(pair.split()) for pair in args.pair]
+    table = report(args.directory, names, seeds, pairs, args.rule, args.gap, args.delay)
     (args.directory / "results.md").write_text(table)
     print(table, end="")
     try:
@@ -738,9 +833,24 @@ def offpolicy_main(argv=None):
     print(offpolicy(rows, args.names.split(), args.seeds.split()), end="")
 
 
+def breaks_main(argv=None):
+    parser = argparse.ArgumentParser(description="break counts across record directories, and the figure of them")
+    parser.add_argument("--column", action="append", required=True, help='"LABEL=DIRECTORY"; repeatable, in order')
+    parser.add_argument("--names", required=True, help='the objectives and variants, e.g. "binary_tv ppo_clip"')
+    parser.add_argument("--seeds", required=True, help='e.g. "0 1 2"')
+    parser.add_argument("--rule", choices=list(RULES), default="sustained_drop", help="the registered break rule")
+    parser.add_argument("--figure", type=Path, help="also draw each name's accuracy in each directory here")
+    args = parser.parse_args(argv)
+    columns = [(column.split("=", 1)[0], Path(column.split("=", 1)[1])) for column in args.column]
+    print(breaks(columns, args.names.split(), args.seeds.split(), args.rule), end="")
+    if args.figure:
+        draw_settings(columns, args.names.split(), args.seeds.split(), args.figure)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] in (["report"], ["compare"], ["offpolicy"]):
-        dict(report=main, compare=compare_main, offpolicy=offpolicy_main)[sys.argv[1]](sys.argv[2:])
+    if sys.argv[1:2] in (["report"], ["compare"], ["offpolicy"], ["breaks"]):
+        commands = dict(report=main, compare=compare_main, offpolicy=offpolicy_main, breaks=breaks_main)
+        commands[sys.argv[1]](sys.argv[2:])
         sys.exit()
     command, run_dir, *rest = sys.argv[1:]
     if command == "start":
