@@ -128,7 +128,7 @@ class Config:
     updates_per_step: int = setting(4, "U: mini-batches per pass over a rollout, an optimizer step each")
     ppo_epochs: int = setting(1, "E: passes over each rollout, each reshuffled into U mini-batches (verl's word)")
     staleness: int = setting(
-        0, "k: train on rollouts k steps old; the last k steps sample none (--steps shapes the run), --resume refills k"
+        0, "k: train on rollouts k steps old; the last k steps sample none (--steps shapes the run; --resume refills)"
     )
     micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
@@ -146,7 +146,7 @@ class Config:
     generation_cache: str = setting("dynamic", "KV cache: grown a token at a time, or allocated once", "dynamic static")
     max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: the longest, to 64s)")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
-    output_dir: str = setting("", "where metrics.jsonl and the final model go; empty = runs/<objective>-seed<seed>")
+    output_dir: str = setting("", "metrics.jsonl and the model go here; empty: --resume or runs/<objective>-seed<seed>")
     save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
     report_to: str = setting("none", "also send metrics.jsonl's records to a tracker", "none wandb tensorboard trackio")
     resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
@@ -331,8 +331,7 @@ def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
     static = cfg.generation_cache == "static"  # every call the same shapes: see static_cache
     inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
     prompt_length = inputs.input_ids.shape[1]
-    if static:
-        decoding |= static_cache(model, prompt_length + cfg.max_new_tokens)
+    decoding |= static_cache(model, prompt_length + cfg.max_new_tokens) if static else {}
     completion_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)[:, prompt_length:]
     return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
 
@@ -936,9 +935,9 @@ class Run(contextlib.ExitStack):
         self.last_step, self.output_dir, self.device, self.started = last_step, output_dir, device, started
         self.initial_accuracy, self.reward_history = carried.get("initial_accuracy"), carried.get("reward_history", {})
         self.pending, self.tracker_resume = collections.deque(carried.get("pending", [])), carried.get("tracker_resume")
-        metrics_path = output_dir / "metrics.jsonl" if rank_0 else Path(os.devnull)
-        if first_step > 1 and metrics_path.exists():  # resumed: the steps a killed run logged past its checkpoint go
-            metrics_path.write_text(records_before(metrics_path, first_step))  # (they are run, and logged, again)
+        metrics_path = output_dir / "metrics.jsonl" if rank_0 else os.devnull
+        if first_step > 1 and rank_0 and metrics_path.exists():  # resumed: what a killed run logged past its
+            os.truncate(metrics_path, bytes_before(metrics_path, first_step))  # checkpoint is run, and logged, again
         self.metrics_file = self.enter_context(open(metrics_path, "a" if first_step > 1 else "w"))
         self.tracker = cfg.report_to if rank_0 else "none"
         if self.tracker == "tensorboard":  # it keeps no run config: the flags go to its text tab
@@ -950,9 +949,10 @@ class Run(contextlib.ExitStack):
             tracker = importlib.import_module(self.tracker)
             model = Path(cfg.model).name.removesuffix(".gguf") if cfg.model else "demo"  # a study's runs: one group
             name, group = f"{model}-{cfg.objective}-seed{cfg.seed}", output_dir.resolve().parent.name
-            again = self.tracker_resume or {}  # resumed: the same run, wandb's by its id, trackio's by its name
+            earlier = (self.tracker_resume or {}).get(self.tracker)  # resumed: wandb's run by its id, trackio's by name
+            again = dict(resume="allow", **({"id": earlier} if self.tracker == "wandb" else {})) if earlier else {}
             self.writer = tracker.init(project="dppo", name=name, group=group, config=dataclasses.asdict(cfg), **again)
-            self.tracker_resume = dict(resume="allow", **({"id": self.writer.id} if self.tracker == "wandb" else {}))
+            self.tracker_resume = {self.tracker: self.writer.id}
             self.callback(self.writer.finish)
         self.ctrl_c = []  # not empty once Ctrl-C was pressed
         self.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, self.on_ctrl_c))
@@ -1003,7 +1003,7 @@ def parse_config(argv=None) -> Config:
     demo_defaults = {} if given.get("model") else DEMO_DEFAULTS
     objective_defaults = OBJECTIVE_DEFAULTS.get(given.get("objective", Config.objective), {})
     cfg = Config(**{**demo_defaults, **objective_defaults, **given})
-    cfg = dataclasses.replace(cfg, output_dir=cfg.output_dir or f"runs/{cfg.objective}-seed{cfg.seed}")
+    cfg = dataclasses.replace(cfg, output_dir=cfg.output_dir or cfg.resume or f"runs/{cfg.objective}-seed{cfg.seed}")
     check_config(cfg)
     return cfg
 
@@ -1476,7 +1476,7 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, dict]:
     rank, world = rank_and_world()
     if len(state["random_states"]) != world:
         fail(f"--resume: {checkpoint} was written by {len(state['random_states'])} processes, and this run has {world}")
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(state["random_states"][rank]["torch"])
     if state["random_states"][rank]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["random_states"][rank]["cuda"])
@@ -1485,9 +1485,9 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, dict]:
     return state["step"] + 1, state | {"pending": pending}
 
 
-def records_before(metrics: Path, step: int) -> str:
-    """metrics.jsonl's lines of the steps before `step`: what a killed run logged later, and a line it cut short, go."""
-    return "".join(line for line in metrics.open() if line.endswith("\n") and json.loads(line)["step"] < step)
+def bytes_before(metrics: Path, step: int) -> int:
+    """The bytes of metrics.jsonl's records of steps before `step` (a killed run's later ones, or a cut one, follow)"""
+    return sum(len(line) for line in metrics.open("rb") if line.endswith(b"\n") and json.loads(line)["step"] < step)
 
 
 def tensors_to(tree, device):  # every tensor in nested dicts and lists moved

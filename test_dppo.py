@@ -2521,7 +2521,7 @@ def killed_script(tmp_path) -> Path:
 def test_a_run_killed_two_steps_past_its_checkpoint_resumes_to_the_uninterrupted_record(reuse, demo_cache, tmp_path):
     """Killed once steps 4 and 5 are logged (the checkpoint is step 3's), its last line cut short as a kill in the
     middle of a write leaves it; resumed, metrics.jsonl holds the uninterrupted run's records, each once. With
-    --staleness 2 the checkpoint holds the rollouts sampled for steps 4 and 5 (by the policies after steps 2 and 3)."""
+    --staleness 2 the checkpoint holds the rollouts sampled for steps 4 and 5 (by the policies after steps 1 and 2)."""
     flags = f"--cache_dir {demo_cache} {SMALL_DEMO} --eval_every 3 --objective dcpo --steps 5 --save_every 3 {reuse}"
 
     def run(out, script=HERE / "dppo.py", *more):
@@ -3970,7 +3970,7 @@ def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_ref
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
         assert not json.loads((record / "provenance.json").read_text())["finished"]
-        return json.loads((record / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+        return study_module().last_logged_step(record)
 
     whole = subprocess.run(study(tmp_path / "whole"), capture_output=True, text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -4046,6 +4046,7 @@ def test_demo_defaults_apply_only_without_a_model_and_never_over_a_typed_flag():
     assert dppo.parse_config(["--learning_rate", "3e-4"]).learning_rate == 3e-4
     assert (qwen.dataset, qwen.learning_rate) == ("gsm8k", 1e-6)
     assert dppo.parse_config(["--recompute_old"]).recompute_old and not demo.recompute_old
+    assert (demo.output_dir, dppo.parse_config(["--resume", "a/run"]).output_dir) == ("runs/binary_tv-seed0", "a/run")
 
 
 def test_objective_defaults_give_way_to_typed_flags():
@@ -4305,15 +4306,16 @@ def two_process_demo(demo_cache, out, flags: str) -> subprocess.CompletedProcess
 
 
 def test_two_process_demo_runs_saves_one_model_and_resumes_exactly_after_a_kill(demo_cache, tmp_path):
-    """dcpo, so that SAS's history crosses processes and the interruption; 21 held-out problems, split 11 + 10. Both
-    processes killed (SIGKILL) after step 4, two steps past the checkpoint; resumed, each record is there once."""
-    two_process_demo(demo_cache, tmp_path / "whole", "--steps 4")
-    run = f"{TWO_PROCESS_DEMO} --cache_dir {demo_cache} --eval_every 2 --objective dcpo --steps 4 --save_every 2"
+    """dcpo, so that SAS's history crosses processes and the interruption; 21 held-out problems, split 11 + 10. Killed
+    (SIGKILL, both processes) two steps past the checkpoint, step 5 logged; resumed, each record is there once."""
+    two_process_demo(demo_cache, tmp_path / "whole", "--steps 5")
+    run = f"{TWO_PROCESS_DEMO} --cache_dir {demo_cache} --eval_every 2 --objective dcpo --steps 5 --save_every 3"
     killed = torchrun(killed_script(tmp_path), *run.split(), "--output_dir", tmp_path / "halves")
-    assert killed.returncode != 0 and logged_steps(tmp_path / "halves")[:5] == [0, 1, 2, 2, 3], killed.stderr[-3000:]
-    two_process_demo(demo_cache, tmp_path / "halves", f"--steps 4 --save_every 2 --resume {tmp_path / 'halves'}")
+    assert killed.returncode != 0 and logged_steps(tmp_path / "halves") == [0, 1, 2, 2, 3, 4, 4, 5, 5], killed.stderr
+    assert torch.load(tmp_path / "halves" / "checkpoint" / "training_state.pt", weights_only=True)["step"] == 3
+    two_process_demo(demo_cache, tmp_path / "halves", f"--steps 5 --save_every 3 --resume {tmp_path / 'halves'}")
     whole, halves = records(tmp_path / "whole"), records(tmp_path / "halves")
-    assert [r["step"] for r in whole] == [0, 1, 2, 2, 3, 4, 4]  # one writer: each record once
+    assert [r["step"] for r in whole] == [0, 1, 2, 2, 3, 4, 4, 5, 5]  # one writer: each record once
     assert all(math.isfinite(v) for r in whole for v in r.values())
     assert comparable(halves) == comparable(whole)
     model, tokenizer = dppo.load_policy(str(tmp_path / "whole"), torch.device("cpu"))  # in one process

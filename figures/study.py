@@ -350,8 +350,10 @@ def sign_test_one_sided(successes: int, n: int) -> float:
 
 
 def broke_at(provenance: dict, records, rule: str) -> int | None:
-    broke = breaking(provenance, records, rule)["broke at"]
-    return None if broke == "none" else int(broke.split()[1])
+    """The step where a run broke under `rule` (its first evaluation that breaks it, or where its loss was non-finite,
+    whichever came first); None if it never broke."""
+    fell, stopped = fell_at(accuracies(records), rule), provenance.get("stopped_nonfinite_at_step")
+    return min([*fell[:1], *([stopped] if stopped is not None else [])], default=None)
 
 
 def later_breaks(finished, a: str, b: str, seeds: list[str], rule: str) -> tuple[int, int]:
@@ -369,14 +371,12 @@ def later_breaks(finished, a: str, b: str, seeds: list[str], rule: str) -> tuple
 def breaking(provenance: dict, records, rule: str = "first_drop") -> dict:
     """Where a run broke, if it did: its first evaluation that breaks it under `rule` (RULES), or the step whose loss
     was non-finite (dppo.py stopped there), whichever came first; and the run's extremes."""
-    evals = accuracies(records)
-    fell = fell_at(evals, rule)
-    stopped = provenance.get("stopped_nonfinite_at_step")
+    evals, step = accuracies(records), broke_at(provenance, records, rule)
     grad_norms = [r["grad_norm"] for r in records if "grad_norm" in r]
-    if stopped is not None and (not fell or stopped <= fell[0]):
-        broke = f"step {stopped} (non-finite loss)"
+    if step is not None and step == provenance.get("stopped_nonfinite_at_step"):
+        broke = f"step {step} (non-finite loss)"
     else:
-        broke = f"step {fell[0]} ({evals[fell[0]]:.1f}%)" if fell else "none"
+        broke = f"step {step} ({evals[step]:.1f}%)" if step is not None else "none"
     return {
         "step 0": f"{evals[0]:.1f}",
         "last evaluation": f"{evals[max(evals)]:.1f} (step {max(evals)})",
@@ -803,6 +803,8 @@ def main(argv=None):
     parser.add_argument("--delay", action="store_true", help="sustained_drop: does each pair's first break later?")
     args = parser.parse_args(argv)
     names, seeds, pairs = args.names.split(), args.seeds.split(), [tuple(pair.split()) for pair in args.pair]
+    if args.delay and (args.rule != "sustained_drop" or not pairs):
+        parser.error("--delay reads the pairs' breaks under --rule sustained_drop: give both, and a --pair")
     table = report(args.directory, names, seeds, pairs, args.rule, args.gap, args.delay)
     (args.directory / "results.md").write_text(table)
     print(table, end="")
@@ -842,6 +844,8 @@ def breaks_main(argv=None):
     parser.add_argument("--figure", type=Path, help="also draw each name's accuracy in each directory here")
     args = parser.parse_args(argv)
     columns = [(column.split("=", 1)[0], Path(column.split("=", 1)[1])) for column in args.column]
+    if len(columns) < 2:
+        parser.error("two --column at least: the first is what the second is tested against")
     print(breaks(columns, args.names.split(), args.seeds.split(), args.rule), end="")
     if args.figure:
         draw_settings(columns, args.names.split(), args.seeds.split(), args.figure)
