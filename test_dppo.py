@@ -3051,9 +3051,9 @@ def test_training_memory_is_bounded_by_the_chunk_not_by_the_logits(large_vocab_c
 
 
 def update_memory_bound_mib(config, n_params: int, micro_batch: int, prompt: int, completion: int, cuda_bf16: bool):
-    """What an update holds at its peak, in MiB (README, "Memory and speed"): weights, gradients and AdamW; each layer's
-    saved activations (on a CPU with the attention weights); a micro-batch's kept logits, one fp32 copy each, and one
-    chunk's temporaries in backward (4 fp32 copies, and the bf16 output under autocast)."""
+    """What an update holds at its peak, in MiB (figures/memory_and_speed.md): weights, gradients and AdamW; each
+    layer's saved activations (on a CPU with the attention weights); a micro-batch's kept logits, one fp32 copy each,
+    and one chunk's temporaries in backward (4 fp32 copies, and the bf16 output under autocast)."""
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv, positions = config.num_key_value_heads * h // heads, micro_batch * (prompt + completion)
     saved = 2 if cuda_bf16 else 4  # bytes of a saved matmul output
@@ -3102,7 +3102,7 @@ def test_update_memory_bound_holds_on_a_cpu():
     assert measured <= bound <= 1.3 * measured
 
 
-# --------------------------------------------------- bench: python test_dppo.py bench (the README's "Memory and speed")
+# ------------------------------------------------------- bench: python test_dppo.py bench (figures/memory_and_speed.md)
 
 
 def update_phase_runner(checkpoint: str, completions=16, new_tokens=64):
@@ -4793,7 +4793,7 @@ def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_thro
     assert step["policy/mismatch_first_update_mean"] < 1e-2
 
 
-if __name__ == "__main__":  # HF_HUB_OFFLINE=1 python test_dppo.py bench  (the README's "Memory and speed")
+if __name__ == "__main__":  # HF_HUB_OFFLINE=1 python test_dppo.py bench  (figures/memory_and_speed.md)
     if sys.argv[1:] != ["bench"]:
         sys.exit("usage: python test_dppo.py bench   (the tests run with: python -m pytest -q)")
     with tempfile.TemporaryDirectory() as directory:
