@@ -3996,27 +3996,27 @@ def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_ref
 
 
 def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
-    """Each study's README's command (the stale-data study's with --gap sign_and_interval, the criterion it registered)
-    redraws its results.md from its records as committed (but where each run broke, which study.py added after the
-    first three were drawn); each line of the seeded study's tables (but that one) stands in its README as drawn."""
-    for study in ("smollm2_stale", "smollm2_stress", "smollm2_fp32", "smollm2_xeon_bf16", "smollm2_seeds"):
-        readme = (HERE / "figures" / study / "README.md").read_text(encoding="utf-8")
-        command = re.search(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M)
-        shutil.copytree(HERE / command[1], tmp_path / command[1])
-        report = [sys.executable, str(HERE / "figures" / "study.py"), "report", command[1], *shlex.split(command[2])]
-        result = subprocess.run([*report, "--figure", f"{study}.png"], capture_output=True, text=True, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        drawn, committed = ((root / command[1] / "results.md").read_text() for root in (tmp_path, HERE))
-        if "\nWhere each run broke" not in committed:
-            drawn = re.sub(r"\nWhere each run broke.*?\n(?=\nPer run)", "", drawn, flags=re.S)
-        assert drawn == committed, study
+    """Every report command in a study's README (the stale-data study's with --gap sign_and_interval, the criterion it
+    registered) redraws its results.md from its records as committed (but where each run broke, which study.py added
+    after the first three were drawn); each line of the seeded study's tables (but that one) stands in its README."""
+    readmes = sorted((HERE / "figures").glob("*/README.md"), key=lambda p: (p.parent.name == "smollm2_seeds", p))
+    for readme in [path.read_text(encoding="utf-8") for path in readmes]:
+        for command in re.finditer(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M):
+            shutil.copytree(HERE / command[1], tmp_path / command[1])
+            report = [sys.executable, str(HERE / "figures/study.py"), "report", command[1], *shlex.split(command[2])]
+            result = subprocess.run([*report, "--figure", "drawn.png"], capture_output=True, text=True, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            drawn, committed = ((root / command[1] / "results.md").read_text() for root in (tmp_path, HERE))
+            if "\nWhere each run broke" not in committed:
+                drawn = re.sub(r"\nWhere each run broke.*?\n(?=\nPer run)", "", drawn, flags=re.S)
+            assert drawn == committed, command[1]
     drawn = drawn.split("\nPer run")[0]  # the seeded study's, last, as committed: no table of where each run broke
     assert [line for line in drawn.splitlines() if line not in set(readme.splitlines())] == []  # in results.md alone
     verdict = study_module().paired_verdict  # fp32's ppo_clip − pg at step 20: one sign, [−25.2, +50.2]
     assert verdict([30.0, 4.5, 3.0], 3) == "a gap: one sign in every seed"
     assert verdict([30.0, 4.5, 3.0], 3, "sign_and_interval") == "one sign in every seed, interval includes 0: not a gap"
     if importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "smollm2_seeds.png").read_bytes()[:4] == b"\x89PNG"
+        assert (tmp_path / "drawn.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_results_documents_table_across_machines_is_what_study_py_compare_writes():
