@@ -3852,12 +3852,8 @@ def test_the_delay_sign_test_and_the_break_counts_across_directories_by_hand(tmp
     pass at 0.05, 8 of 10 and 4 of 4 do not); a mask that never broke counts as later, one that broke at the same
     step does not, a seed where neither broke is left out; the break counts of two directories and Fisher's p."""
     study = study_module()
-    assert [study.sign_test_one_sided(*k) for k in ((9, 10), (5, 5), (8, 10), (4, 4))] == [
-        11 / 1024,
-        1 / 32,
-        56 / 1024,
-        1 / 16,
-    ]
+    sign_test = study.sign_test_one_sided
+    assert [sign_test(*k) for k in ((9, 10), (5, 5), (8, 10), (4, 4))] == [11 / 1024, 1 / 32, 56 / 1024, 1 / 16]
     curves = {"pg": [[30, 20, 20], [30, 20, 20], [30, 40, 40]], "binary_tv": [[30, 40, 40], [30, 20, 20], [30, 40, 40]]}
     for name, runs in curves.items():  # broke at step 2, 2, none; and none, 2, none
         for seed, accuracies in enumerate(runs):
@@ -3997,8 +3993,8 @@ def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_ref
 
 def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
     """Every report command in a study's README (the stale-data study's with --gap sign_and_interval, the criterion it
-    registered) redraws its results.md from its records as committed (but where each run broke, which study.py added
-    after the first three were drawn); each line of the seeded study's tables (but that one) stands in its README."""
+    registered) redraws its results.md from its records as committed (but where each run broke, added after the first
+    three were drawn); each line of the seeded study's tables (but that one) and of each `breaks` table is in it."""
     readmes = sorted((HERE / "figures").glob("*/README.md"), key=lambda p: (p.parent.name == "smollm2_seeds", p))
     for readme in [path.read_text(encoding="utf-8") for path in readmes]:
         for command in re.finditer(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M):
@@ -4010,6 +4006,10 @@ def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
             if "\nWhere each run broke" not in committed:
                 drawn = re.sub(r"\nWhere each run broke.*?\n(?=\nPer run)", "", drawn, flags=re.S)
             assert drawn == committed, command[1]
+        for command in re.finditer(r"^python figures/study\.py breaks (.*) --figure \S+$", readme, re.M):
+            breaks = [sys.executable, str(HERE / "figures/study.py"), "breaks", *shlex.split(command[1])]
+            printed = subprocess.run(breaks, capture_output=True, text=True, cwd=HERE).stdout.splitlines()
+            assert printed and [line for line in printed if line not in readme.splitlines()] == [], command[1]
     drawn = drawn.split("\nPer run")[0]  # the seeded study's, last, as committed: no table of where each run broke
     assert [line for line in drawn.splitlines() if line not in set(readme.splitlines())] == []  # in results.md alone
     verdict = study_module().paired_verdict  # fp32's ppo_clip − pg at step 20: one sign, [−25.2, +50.2]

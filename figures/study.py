@@ -335,6 +335,11 @@ def fell_at(evals: dict[int, float], rule: str) -> list[int]:
     return fell
 
 
+def p_value(p: float) -> str:
+    """A p-value to three places, or in two figures where three places would print 0.000."""
+    return f"{p:.3f}" if p >= 0.0005 else f"{p:.1e}"
+
+
 def fisher_one_sided(breaks_a: int, runs_a: int, breaks_b: int, runs_b: int) -> float:
     """Fisher's exact test, one-sided: the chance, with the margins fixed, that b breaks breaks_b times or more."""
     breaks, runs = breaks_a + breaks_b, runs_a + runs_b
@@ -414,7 +419,7 @@ def breaking_table(finished, names, seeds, rule="first_drop", pairs=(), delay=Fa
             for name in (a, b):
                 runs = [breaking(*finished[name, seed], rule) for seed in seeds if (name, seed) in finished]
                 counts += [sum(run["broke at"] != "none" for run in runs), len(runs)]
-            p = f"p = {fisher_one_sided(*counts):.3f}" if counts[1] and counts[3] else "no runs"
+            p = f"p = {p_value(fisher_one_sided(*counts))}" if counts[1] and counts[3] else "no runs"
             lines.append(f"- `{a}` {counts[0]} of {counts[1]}, `{b}` {counts[2]} of {counts[3]}: {p}")
     if rule == "sustained_drop" and pairs and delay:
         lines += [
@@ -425,7 +430,7 @@ def breaking_table(finished, names, seeds, rule="first_drop", pairs=(), delay=Fa
         ]
         for a, b in pairs:
             later, either = later_breaks(finished, a, b, seeds, rule)
-            p = f"p = {sign_test_one_sided(later, either):.3f}" if either else "neither broke on any seed"
+            p = f"p = {p_value(sign_test_one_sided(later, either))}" if either else "neither broke on any seed"
             lines.append(f"- `{a}` later than `{b}` on {later} of {either}: {p}")
     return lines
 
@@ -564,7 +569,8 @@ def report(
         lines.append(f"| `{name}` | {', '.join(runs) or '–'} | " + " | ".join(cells) + " |")
     if pairs:
         chance = 100 * 2 * 0.5 ** len(seeds)
-        chance = f"which {len(seeds)} seeds meet by chance {chance:.0f}% of the time under a coin-flip sign"
+        chance = f"{chance:.0f}" if chance >= 1 else f"{chance:.1f}"  # 10 seeds: 0.2%, not 0%
+        chance = f"which {len(seeds)} seeds meet by chance {chance}% of the time under a coin-flip sign"
         criterion = f"{GAPS[gap]}, {chance}" if gap == "sign" else f"{GAPS[gap]} (one sign alone, {chance})"
         lines += [
             "",
@@ -657,7 +663,7 @@ def breaks(columns: list[tuple[str, Path]], names: list[str], seeds: list[str], 
         for _, _, finished, _, _ in loaded:
             runs = [broke_at(*finished[name, seed], rule) for seed in seeds if (name, seed) in finished]
             counts.append((sum(run is not None for run in runs), len(runs)))
-        p = f"{fisher_one_sided(*counts[0], *counts[1]):.3f}" if counts[0][1] and counts[1][1] else "–"
+        p = p_value(fisher_one_sided(*counts[0], *counts[1])) if counts[0][1] and counts[1][1] else "–"
         lines.append(f"| `{name}` | " + " | ".join(f"{b} of {n}" for b, n in counts) + f" | {p} |")
     lines.append("")
     for label, directory, finished, absent, origin in loaded:
