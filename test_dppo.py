@@ -3868,6 +3868,36 @@ def test_the_delay_sign_test_and_the_break_counts_across_directories_by_hand(tmp
     assert "| `pg` | 0 of 3 | 2 of 3 | 0.200 |" in table and "| `binary_tv` | 0 of 3 | 1 of 3 | 0.500 |" in table
 
 
+def test_a_report_wires_each_pair_to_its_interval_break_counts_and_sign_test_by_hand(tmp_path):
+    """report() on hand-made runs, 3 seeds: pg falls 10 points and stays (broken at step 2 on every seed); binary_tv
+    ends 10, 20, 30 points above it. t(0.975, 2 df) = 4.303: step 2's +10, +15, +20 is 15 ± 5, 15 ∓ 4.303 · 5 / √3 =
+    [+2.6, +27.4], a gap; step 4's +10, +20, +30 is [−4.8, +44.8], not one. Fisher: 0 of 3 against 3 of 3 is 1 / C(6, 3)
+    = 0.050; binary_tv later on 3 of 3: the sign test's 1/8."""
+    study = study_module()
+    for seed, (middle, last) in enumerate(((0.3, 0.3), (0.35, 0.4), (0.4, 0.5))):
+        write_metrics(tmp_path / f"binary_tv-seed{seed}", [0.3, middle, last], [0.0], [0.0], [10])
+        write_metrics(tmp_path / f"pg-seed{seed}", [0.3, 0.2, 0.2], [0.0], [0.0], [10])
+    text = study.report(
+        tmp_path,
+        ["pg", "binary_tv"],
+        ["0", "1", "2"],
+        [("binary_tv", "pg")],
+        "sustained_drop",
+        "sign_and_interval",
+        delay=True,
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| `binary_tv` − `pg` |")]
+    assert rows == [
+        "| `binary_tv` − `pg` | 2 | +10.0 | +15.0 | +20.0 | +15.0 ± 5.0 | [+2.6, +27.4] | a gap: one sign in every "
+        "seed, interval excludes 0 |",
+        "| `binary_tv` − `pg` | 4 | +10.0 | +20.0 | +30.0 | +20.0 ± 10.0 | [-4.8, +44.8] | one sign in every seed, "
+        "interval includes 0: not a gap |",
+    ]
+    assert "| `pg` | broke on | 3 of 3 seeds |" in text and "| `binary_tv` | broke on | 0 of 3 seeds |" in text
+    assert "- `binary_tv` 0 of 3, `pg` 3 of 3: p = 0.050" in text.splitlines()
+    assert "- `binary_tv` later than `pg` on 3 of 3: p = 0.125" in text.splitlines()
+
+
 def test_a_report_stars_the_minutes_of_a_run_that_shared_its_cpu_or_resumed_and_no_other(tmp_path):
     """A resumed run's clock restarts at its checkpoint, and a run beside other work is slowed by it: its minutes are
     not its whole run's own, and the report says so with a star; a run with neither mark has none."""
