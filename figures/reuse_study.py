@@ -7,6 +7,14 @@ committed there as it finishes. Started again, it skips the finished records and
 
     git worktree add /tmp/reuse <commit> && cp -r figures/reuse_demo* figures/smollm2_reuse* /tmp/reuse/figures/
     cd /tmp/reuse && python /path/to/main/figures/reuse_study.py --stage 1 --main /path/to/main
+
+--stage replication is stage 2's study again on seeds 5-14, as figures/smollm2_reuse_replication/preregistration.md
+registers it: stage 2's pg seed 0 again first (commit_check/), then the four arms seed by seed, every run on one kind of
+CPU (a run on another kind is refused, naming the kind the directory holds). Run it from a worktree of the commit that
+added that file, with that commit's copy of this script:
+
+    git worktree add /tmp/replication <commit> && cp -r figures/smollm2_reuse_replication /tmp/replication/figures/
+    cd /tmp/replication && python figures/reuse_study.py --stage replication --main /path/to/main
 """
 
 import argparse
@@ -34,6 +42,10 @@ COMMON += " --eval_n 200 --eval_batch_size 50 --updates_per_step 4"
 LADDER = [(4, "1e-5"), (4, "2e-5"), (4, "3e-5"), (8, "2e-5"), (8, "3e-5")]  # (E, lr), the cheaper passes first
 BELOW_THE_FIRST = (2, "1e-5")
 CONTROL = (1, "1e-5")
+# The replication: stage 2's chosen rung on fresh seeds, one kind of CPU for every run.
+REPLICATION = Path("figures/smollm2_reuse_replication")
+REPLICATION_SEEDS = range(5, 15)
+KIND = ("cpu", "cpu_id", "cpu_capability")  # what a run's arithmetic depends on, as provenance.json records it
 
 
 SAMPLE_EVERY_S = 30  # how often the CPU is looked at while a run goes on
@@ -156,12 +168,44 @@ def stage_2(main: Path | None):
     print("== stage 2 is complete: report it with the commands in its pre-registration")
 
 
+def kinds_held(directory: Path) -> set[tuple]:
+    """The CPU kinds of the records under directory, finished or not: an unfinished one would be resumed here."""
+    kinds = set()
+    for path in directory.rglob("provenance.json"):
+        provenance = json.loads(path.read_text())
+        kinds.add(tuple(provenance.get(key, "not recorded") for key in KIND))
+    return kinds
+
+
+def replication(main: Path | None):
+    here = tuple(study.machine()[key] for key in KIND)
+
+    def run(arm, seed, directory):
+        held = kinds_held(REPLICATION)
+        if held - {here}:
+            sys.exit(
+                f"reuse_study.py: {REPLICATION} holds runs of {' | '.join(map(', '.join, sorted(held)))}; this "
+                f"machine is {', '.join(here)}: no run of another kind is added to it"
+            )
+        options = ["--model", str(GGUF), "--steps", "10", "--eval_every", "2", "--save_every", "2"]
+        passes, lr = LADDER[0]  # stage 2's rung, the one its pilot chose
+        broke(
+            directory, arm, seed, options, [*COMMON.split(), "--learning_rate", lr, "--ppo_epochs", str(passes)], main
+        )
+
+    run("pg", 0, REPLICATION / "commit_check")  # stage 2's pg seed 0 again, to compare with its record
+    for seed in REPLICATION_SEEDS:
+        for arm in ARMS:
+            run(arm, seed, REPLICATION)
+    print("== the replication is complete: report it with the commands in its pre-registration")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", type=int, choices=(1, 2), required=True)
+    parser.add_argument("--stage", choices=("1", "2", "replication"), required=True)
     parser.add_argument("--main", type=Path, help="a checkout to copy each finished record into and commit it there")
     args = parser.parse_args(argv)
-    (stage_1 if args.stage == 1 else stage_2)(args.main)
+    {"1": stage_1, "2": stage_2, "replication": replication}[args.stage](args.main)
 
 
 if __name__ == "__main__":
