@@ -85,8 +85,6 @@ from transformers.masking_utils import sdpa_mask
 
 from rewards import extract_answer, extract_gold, reward
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read when a tokenizer first runs in parallel, not on import
-
 # ============================================================================ config
 
 OBJECTIVES = "pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo".split()
@@ -113,6 +111,8 @@ class Config:
     scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", "group none")
     loss_agg: str = setting("token_mean", "see token_weights", "token_mean seq_mean_token_mean seq_sum seq_sum_norm")
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
+    truncated_reward: str = setting("keep", "a completion cut at the length limit: its score, or 0", "keep zero")
+    overlong_filter: bool = setting(False, "DAPO's overlong filtering: completions cut at the limit leave the loss")
     # -------- the objectives' thresholds
     clip_low: float = setting(0.2, "ppo_clip, erc, gspo: r clipped at 1 - clip_low (cispo: its weight); dcpo: eps")
     clip_high: float = setting(0.28, "ppo_clip, erc, gspo: r clipped at 1 + clip_high (cispo: its weight); dcpo: eps")
@@ -150,6 +150,7 @@ class Config:
     save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
     report_to: str = setting("none", "also send metrics.jsonl's records to a tracker", "none wandb tensorboard trackio")
     resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
+    overwrite_output_dir: bool = setting(False, "start over in an --output_dir that holds a run's metrics.jsonl")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
     # -------- the neighbours' and the ablation's own (see them after the training loop)
     advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
@@ -220,6 +221,8 @@ def sample_rewarded(trained_at: int, step: int, sampler, tokenizer, problems, ru
     batch = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]  # G each
     rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
     rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
+    if cfg.truncated_reward == "zero":  # a cut completion earns nothing, whatever its partial text says
+        rewards[rollout.truncated.cpu()] = 0.0
     return Step(rollout, rewards, step_advantages(rewards, indices, run.reward_history, cfg), sampled_at=step)
 
 
@@ -301,6 +304,7 @@ class Rollout:
     topk_ids: torch.Tensor  # (B, T, K) mu's K most probable ids, the sampled token always among them
     mu: LogProbs  # the sampler's, as recorded while sampling
     texts: list[str]  # the completions as text, up to the first EOS
+    truncated: torch.Tensor  # (B,) True where a completion was cut at --max_new_tokens, before any EOS
 
     def select(self, rows: torch.Tensor) -> "Rollout":
         """These rows (a micro-batch), without the columns that are padding in all of them: less for a forward pass."""
@@ -308,7 +312,8 @@ class Rollout:
         T = int(self.completion_mask[rows].sum(1).max())  # the longest completion, its EOS included
         prompts = dict(prompt_ids=self.prompt_ids[rows, first:], prompt_mask=self.prompt_mask[rows, first:])
         tokens = {name: getattr(self, name)[rows, :T] for name in ("completion_ids", "completion_mask", "topk_ids")}
-        return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), texts=[self.texts[i] for i in rows])
+        texts = dict(texts=[self.texts[i] for i in rows], truncated=self.truncated[rows])
+        return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), **texts)
 
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
@@ -317,7 +322,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     with full_weights(model), autocast(model, cfg.precision):
         inputs, tokens, mask = generate(model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg))
     topk_ids, mu = recorder.finish(tokens)
-    sampled = dict(completion_ids=tokens, completion_mask=mask, texts=decode(tokenizer, tokens, mask))
+    cut = ~torch.isin(tokens, torch.tensor(model.generation_config.eos_token_id, device=tokens.device)).any(1)
+    sampled = dict(completion_ids=tokens, completion_mask=mask, texts=decode(tokenizer, tokens, mask), truncated=cut)
     return Rollout(prompt_ids=inputs.input_ids, prompt_mask=inputs.attention_mask, topk_ids=topk_ids, mu=mu, **sampled)
 
 
@@ -339,14 +345,18 @@ def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
 # ============================================================================ advantages
 
 
+EQUAL_REWARDS_STD = 1e-6  # rewards this close are equal (rounding): A = 0 exactly, as every A != 0 test needs
+
+
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-6):
     """GRPO (arXiv 2402.03300, §4.1.2): A_j = (R_j - mean(R)) / (std(R) + eps) over one prompt's G completions,
     Bessel-corrected std; scale_rewards='none' only centres (Dr. GRPO, arXiv 2503.20783). Equal rewards: A = 0."""
     groups = rewards.view(-1, group_size)
+    std = groups.std(1, keepdim=True)
     advantages = groups - groups.mean(1, keepdim=True)
     if scale_rewards == "group":
-        advantages = advantages / (groups.std(1, keepdim=True) + eps)
-    return advantages.flatten()
+        advantages = advantages / (std + eps)
+    return torch.where(std > EQUAL_REWARDS_STD, advantages, 0.0).flatten()
 
 
 def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> torch.Tensor:
@@ -367,12 +377,13 @@ def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantag
     mini-batch its token weights; for each micro-batch of its completions with A != 0, log pi, the objective's
     per-token loss and backward; then one clipped AdamW step. At k = 0, in the first update pi is pi_old and |pi - mu|
     the sampler's numerics alone, so a trust region acts from the second: it needs E x U >= 2 (or k >= 1)."""
-    A = advantages.to(model.device)[:, None]  # (B, 1): a completion's advantage, on each of its tokens
+    kept = ~rollout.truncated[:, None] if cfg.overlong_filter else torch.ones_like(rollout.truncated[:, None])
+    A = advantages.to(model.device)[:, None] * kept  # (B, 1): a completion's advantage, on each of its tokens
     measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
     model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
     passes = (batch for _ in range(cfg.ppo_epochs) for batch in torch.randperm(len(A)).chunk(cfg.updates_per_step))
     for update, minibatch in enumerate(passes):  # each pass's permutation drawn as it starts
-        counted = rollout.completion_mask[minibatch] * (A[minibatch] != 0 if cfg.skip_zero_advantage else 1)
+        counted = (rollout.completion_mask * kept)[minibatch] * (A[minibatch] != 0 if cfg.skip_zero_advantage else 1)
         counts = all_reduced(token_counts(counted))  # what the loss is averaged over: the whole mini-batch's
         weights = torch.zeros_like(correction)  # (B, T): each of this mini-batch's tokens' share of its loss
         weights[minibatch] = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * correction[minibatch]
@@ -600,28 +611,43 @@ def policy_logprobs(model, batch, temperature, precision="fp32", with_topk=False
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **hidden_states_only)
         hidden = out.hidden_states[-1][:, -T - 1 : -1]  # after the final norm, at the positions that predict a_1 .. a_T
         topk_ids = batch.topk_ids if with_topk else None
-        lm_head = model.get_output_embeddings()
-        return logprobs_in_chunks(lm_head, hidden, batch.completion_ids, topk_ids, temperature, with_entropy)
+        logits = OutputLogits(model)
+        return logprobs_in_chunks(logits, hidden, batch.completion_ids, topk_ids, temperature, with_entropy)
 
 
-def logprobs_in_chunks(lm_head, hidden, targets, topk_ids, temperature, with_entropy) -> LogProbs:
+class OutputLogits:
+    """The logits, fp32, as the model's forward makes them: the output layer, then what its config says comes after
+    (Cohere's logit_scale, Granite's logits_scaling, Gemma's final_logit_softcapping c: c * tanh(logits / c))."""
+
+    def __init__(self, model):
+        config = model.config.get_text_config()
+        self.lm_head, self.vocab_size = model.get_output_embeddings(), model.get_output_embeddings().weight.shape[0]
+        self.scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+        self.cap = getattr(config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden):
+        logits = self.lm_head(hidden).float() * self.scale  # * 1.0 for most models: the same bits
+        return self.cap * torch.tanh(logits / self.cap) if self.cap else logits
+
+
+def logprobs_in_chunks(logits_of, hidden, targets, topk_ids, temperature, with_entropy) -> LogProbs:
     """LogProbs at (B, T) targets from the hidden states that predict them, the output layer LOGITS_CHUNK logits at a
     time; when a pass with gradient holds more than LOGITS_KEPT logits, each chunk's are recomputed in backward."""
     B, T = targets.shape
-    n = max(1, LOGITS_CHUNK // lm_head.weight.shape[0])  # positions per chunk
-    recompute = torch.is_grad_enabled() and B * T * lm_head.weight.shape[0] > LOGITS_KEPT
+    n = max(1, LOGITS_CHUNK // logits_of.vocab_size)  # positions per chunk
+    recompute = torch.is_grad_enabled() and B * T * logits_of.vocab_size > LOGITS_KEPT
     hidden, targets = hidden.reshape(B * T, -1).split(n), targets.reshape(B * T).split(n)
     topk_ids = topk_ids.reshape(B * T, -1).split(n) if topk_ids is not None else [None] * len(targets)
     in_chunk = functools.partial(checkpoint, chunk_logprobs, use_reentrant=False) if recompute else chunk_logprobs
-    chunks = [in_chunk(lm_head, *args, temperature, with_entropy) for args in zip(hidden, targets, topk_ids)]
+    chunks = [in_chunk(logits_of, *args, temperature, with_entropy) for args in zip(hidden, targets, topk_ids)]
     logp, topk_logp, entropy = ([chunk[i] for chunk in chunks] for i in range(3))
     topk_logp = torch.cat(topk_logp).unflatten(0, (B, T)) if topk_ids[0] is not None else None
     return LogProbs(torch.cat(logp).view(B, T), topk_logp, torch.cat(entropy).view(B, T) if with_entropy else None)
 
 
-def chunk_logprobs(lm_head, hidden, targets, topk_ids, temperature, with_entropy):
+def chunk_logprobs(logits_of, hidden, targets, topk_ids, temperature, with_entropy):
     """log pi = logit/tau - logsumexp(logits/tau), fp32, at N positions' targets; at topk_ids and the entropy no grad"""
-    logits = lm_head(hidden).float() / temperature
+    logits = logits_of(hidden) / temperature
     log_normaliser = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
     with torch.no_grad():
@@ -909,7 +935,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(cfg.seed + rank)  # each process draws its own samples; rank 0 draws what one process would
     started = time.time()
     output_dir = writable_directory(Path(cfg.output_dir))
-    resume_from = Path(cfg.resume) / "checkpoint" if cfg.resume else None
+    if (output_dir / "metrics.jsonl").exists() and not (cfg.resume or cfg.overwrite_output_dir):
+        fail(f"--output_dir {output_dir} holds a run: continue it with --resume, or start over: --overwrite_output_dir")
+    resume_from = newest_checkpoint(Path(cfg.resume)) if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
     cfg = dataclasses.replace(cfg, max_prompt_tokens=prompt_length_limit(cfg, tokenizer, train_problems + held_out))
@@ -1198,6 +1226,9 @@ def load_model(cfg: Config, resume_from, device) -> tuple:
 
 
 def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing: bool = False, empty: bool = False):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read when a tokenizer first runs in parallel
+    AttentionInterface.register("sdpa_packed_decode", packed_decode_attention)  # here, not on import: see its
+    AttentionMaskInterface.register("sdpa_packed_decode", sdpa_mask)  # docstring; its masks are SDPA's
     gguf = {"gguf_file": os.path.basename(name_or_path)} if name_or_path.endswith(".gguf") else {}
     where = os.path.dirname(os.path.abspath(name_or_path)) if gguf else name_or_path
     try:
@@ -1212,6 +1243,7 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
                 model.generation_config = GenerationConfig.from_pretrained(name_or_path)
         else:
             model = AutoModelForCausalLM.from_pretrained(where, **gguf, config=config, dtype=torch.float32).to(device)
+            check_output_logits(model, name_or_path)
         if gguf and not empty:  # its weights, dequantized to fp32, are trained and saved as an ordinary checkpoint's
             model.hf_quantizer = None
             del model.config.quantization_config
@@ -1231,8 +1263,19 @@ def load_policy(name_or_path: str, device: torch.device, gradient_checkpointing:
         tokenizer.pad_token = tokenizer.eos_token
     # EOS ids only: generate() would take every unset setting from the checkpoint's (Qwen2.5: top_k 20, top_p 0.8, ...)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
-    model.set_attn_implementation("sdpa_packed_decode")  # SDPA as before; see packed_decode_attention
+    if model._supports_sdpa:  # else the attention it loaded with (Gemma 2's soft-capped scores: eager)
+        model.set_attn_implementation("sdpa_packed_decode")  # SDPA as before; see packed_decode_attention
     return model, tokenizer
+
+
+def check_output_logits(model, name_or_path: str):
+    """A model whose forward makes its logits otherwise than OutputLogits is refused: pi would not be what mu is."""
+    with torch.no_grad():  # on the first 8 token ids: a few positions suffice
+        out = model(input_ids=torch.arange(8, device=model.device)[None], output_hidden_states=True)
+        ours, theirs = OutputLogits(model)(out.hidden_states[-1]), out.logits.float()
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.abs().max())):
+        named = ", ".join(f"{key} {value}" for key, value in model.config.to_dict().items() if "logit" in key and value)
+        fail(f"--model {name_or_path}: its forward changes its output layer's logits ({named or '?'}): not loaded")
 
 
 CPU_FLAGS = {"bfloat16": {"avx512_bf16", "amx_bf16", "bf16"}, "float16": {"avx512_fp16", "amx_fp16", "asimdhp"}}
@@ -1435,10 +1478,6 @@ def packed_decode_attention(module, query, key, value, attention_mask, **kwargs)
     return out.reshape(B, 1, H, D), None  # as transformers' attention functions return it
 
 
-AttentionInterface.register("sdpa_packed_decode", packed_decode_attention)
-AttentionMaskInterface.register("sdpa_packed_decode", sdpa_mask)  # its masks are SDPA's
-
-
 def save_model(model, tokenizer, directory: Path):
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank_and_world()[0] == 0:
@@ -1461,11 +1500,20 @@ def save_checkpoint(run: "Run", model, tokenizer, optimizer, step: int):
         tokenizer.save_pretrained(partial)
         carried = {name: getattr(run, name) for name in ("initial_accuracy", "reward_history", "tracker_resume")}
         state = dict(step=step, optimizer=optimizer_state, random_states=random_states, pending=pending, **carried)
-        torch.save(state, partial / "training_state.pt")
+        torch.save(state, partial / "training_state.pt.tmp")
+        (partial / "training_state.pt.tmp").rename(partial / "training_state.pt")  # last: now partial is whole
         if final.exists():
+            shutil.rmtree(old, ignore_errors=True)  # one a kill left before its removal: final is whole and newer
             final.rename(old)
-        partial.rename(final)  # written aside, then renamed: a crash leaves the last checkpoint whole
+        partial.rename(final)  # written aside, then renamed: a kill anywhere leaves a whole one (newest_checkpoint)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def newest_checkpoint(output_dir: Path) -> Path:
+    """The newest whole one wherever a kill fell in save_checkpoint: partial once its training_state.pt is in (last)"""
+    names = ("checkpoint.partial", "checkpoint", "checkpoint.old")
+    whole = [output_dir / name for name in names if (output_dir / name / "training_state.pt").is_file()]
+    return (whole or [output_dir / "checkpoint"])[0]
 
 
 def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, dict]:
@@ -1602,10 +1650,9 @@ def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> di
     """A step's metrics: its rewards, completions, times and memory peaks over every process, then update_policy's."""
     rollout, mask = done.rollout, done.rollout.completion_mask
     rewards, advantages = all_gathered(done.rewards), all_gathered(done.advantages)  # every process's, in prompt order
-    eos_ids = torch.tensor(model.generation_config.eos_token_id, device=mask.device)
+    groups = rewards.view(-1, cfg.samples_per_prompt)
     answers = sum(extract_answer(text) is not None for text in rollout.texts)
-    truncated = (~torch.isin(rollout.completion_ids, eos_ids).any(1)).sum()
-    sums = [len(rollout.texts), answers, mask.sum(), truncated, (rollout.mu.entropy * mask).sum()]
+    sums = [len(rollout.texts), answers, mask.sum(), rollout.truncated.sum(), (rollout.mu.entropy * mask).sum()]
     sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
     completions, answers, tokens, truncated, entropy = sums.tolist()
     (rollout_s, rollout_mb), (update_s, update_mb) = clock.get("rollout", (0.0, 0.0)), clock["update"]
@@ -1613,7 +1660,7 @@ def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> di
     peaks = all_reduced(mask.new_tensor([rollout_mb, update_mb], dtype=torch.float64), dist.ReduceOp.MAX)
     return {
         "reward/mean": rewards.mean().item(),
-        "reward/zero_spread_groups": (rewards.view(-1, cfg.samples_per_prompt).std(1) == 0).float().mean().item(),
+        "reward/zero_spread_groups": (groups.std(1) <= EQUAL_REWARDS_STD).float().mean().item(),
         "reward/answer_found": answers / completions,
         "completion/length_mean": tokens / completions,
         "completion/truncated": truncated / completions,

@@ -48,6 +48,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import dppo
@@ -407,6 +408,62 @@ def test_logits_are_recomputed_in_backward_only_when_a_pass_holds_more_than_logi
         assert len(calls) == expected, (kept, with_grad)
 
 
+def write_tiny_model_of(kind: str, path: Path, **settings) -> Path:
+    """A random 2-layer model of another family (AutoConfig's model_type `kind`), the demo's tokenizer, its output
+    layer scaled by 50 so that its logits reach where a transform after it matters (real models' do)."""
+    tokenizer = dppo.load_policy(str(write_tiny_checkpoint(path / "qwen2")), torch.device("cpu"))[1]
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=1)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16)
+    config = transformers.AutoConfig.for_model(kind, num_attention_heads=2, num_key_value_heads=1, **shape, **ids)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for name, value in settings.items():  # after building: a setting the model's class does not read stays inert
+        setattr(model.config, name, value)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(50)
+    model.save_pretrained(path / kind)
+    tokenizer.save_pretrained(path / kind)
+    return path / kind
+
+
+LOGIT_TRANSFORMS = [  # model_type, what its forward applies after the output layer, the attention it loads with
+    ("gemma3_text", dict(final_logit_softcapping=2.0), "sdpa_packed_decode"),  # c * tanh(logits / c)
+    ("gemma2", dict(final_logit_softcapping=2.0), "eager"),  # transformers refuses SDPA for Gemma 2
+    ("cohere", dict(logit_scale=0.25), "sdpa_packed_decode"),  # logits * logit_scale
+    ("granite", dict(logits_scaling=4.0), "sdpa_packed_decode"),  # logits / logits_scaling
+]
+
+
+@pytest.mark.parametrize("kind, transform, attention", LOGIT_TRANSFORMS)
+def test_pi_applies_what_the_models_forward_applies_after_its_output_layer(kind, transform, attention, tmp_path):
+    """mu is sampled from the forward's logits; pi (policy_logprobs) must be the same distribution: at update 1 with
+    an fp32 sampler, |pi - mu| within fp32 rounding on every sampled token and at mu's top K, while the output layer
+    alone would be far off (the transform matters here)."""
+    model, tokenizer = dppo.load_policy(str(write_tiny_model_of(kind, tmp_path, **transform)), torch.device("cpu"))
+    assert model.config._attn_implementation == attention
+    rollout = sample((model, tokenizer), temperature=1.0, topk=4)
+    with torch.no_grad():
+        pi = dppo.policy_logprobs(model, rollout, 1.0, with_topk=True)
+    m = rollout.completion_mask.bool()
+    assert (pi.logp.exp() - rollout.mu.logp.exp()).abs()[m].max() < 1e-6
+    assert (pi.topk_logp.exp() - rollout.mu.topk_logp.exp()).abs()[m].max() < 1e-6
+    for name in transform:  # the output layer alone, as pi was computed before: no cap, a scale of 1
+        setattr(model.config, name, None if name == "final_logit_softcapping" else 1.0)
+    with torch.no_grad():
+        plain = dppo.policy_logprobs(model, rollout, 1.0)
+    assert (plain.logp.exp() - rollout.mu.logp.exp()).abs()[m].max() > 0.05
+
+
+def test_a_model_whose_forward_changes_its_logits_otherwise_is_refused_in_one_line(tmp_path, capsys):
+    """A Qwen2 whose config carries a logit_scale its forward never applies: what pi would compute is not what
+    generate samples from, so the model is refused at load, naming the setting, before anything trains."""
+    checkpoint = write_tiny_model_of("qwen2", tmp_path, logit_scale=0.25)
+    says = one_line_exit_2(
+        ["--model", str(checkpoint), "--dataset", "arithmetic", "--output_dir", str(tmp_path)], capsys
+    )
+    assert "its forward changes its output layer's logits (logit_scale 0.25)" in says
+
+
 @pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
 def test_sampled_token_is_always_in_the_recorded_topk(tiny_policy, generation_cache):
     # A hot temperature over a random model: the sampled token usually ranks far below K = 3.
@@ -446,6 +503,16 @@ def test_grpo_scales_each_group_by_its_own_std_only_when_asked():
     assert torch.allclose(dppo.grpo_advantages(rewards, 4, scale_rewards="none"), deviations)
     # (1.5, -0.5, -0.5, -0.5, 1.224745, -1.224745, 0, 0, 0, ...), each divided by its group's std + 1e-6
     assert torch.allclose(dppo.grpo_advantages(rewards, 4, scale_rewards="group"), deviations / (std + 1e-6))
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "none"])
+def test_rewards_equal_to_rounding_give_an_advantage_of_exactly_0(scale_rewards):
+    """A reward of floats: a group whose rewards differ by 1e-9 has equal rewards, A = 0 exactly (else 0.5 or 1e-9,
+    and every A != 0 test, the rows left out and the micro-batches, takes them), while a real spread keeps its A."""
+    rewards = torch.tensor([0.7, 0.7 + 1e-9, 0.7, 0.7 - 1e-9, 0.7, 0.8, 0.7, 0.7], dtype=torch.float64)
+    A = dppo.grpo_advantages(rewards, 4, scale_rewards)
+    assert torch.equal(A[:4], torch.zeros(4, dtype=torch.float64))
+    assert A[5] > 0 and (A[[4, 6, 7]] < 0).all()
 
 
 def test_sas_on_a_hand_worked_sequence_of_visits():
@@ -1503,6 +1570,19 @@ def readme_copy_lists() -> dict:
     return {name: re.findall(r"`(\w+)`", copied) + ["log_ratio", "LOG_EPS"] for name, copied in cells}
 
 
+def test_importing_dppo_changes_no_environment_variable_and_registers_no_attention():
+    """A trainer that imports dppo_loss alone gets nothing else: the tokenizers setting and the attention
+    registration happen where a model is loaded (load_policy), not on import."""
+    check = (
+        "import os; from transformers import AttentionInterface as A, AttentionMaskInterface as M;"
+        " seen = lambda: (dict(os.environ), set(A._global_mapping), set(M._global_mapping)); before = seen();"
+        " from dppo import dppo_loss; assert seen() == before, 'changed'"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    done = subprocess.run([sys.executable, "-c", check], cwd=HERE, env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("objective", [*dppo.OBJECTIVES, "aggregation"])
 def test_each_objective_runs_alone_from_what_the_readme_says_to_copy(objective):
     """Copy-safe, proven: the definitions the README lists for an objective, executed in a namespace holding only
@@ -1809,7 +1889,8 @@ def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
     prompt_ids = torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask
     topk_logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g)
     mu = dppo.LogProbs(logp_mu, topk_logp_mu, math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
-    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B)
+    uncut = torch.zeros(B, dtype=torch.bool)
+    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B, uncut)
     return rollout, torch.randn(B, generator=g)
 
 
@@ -1869,6 +1950,42 @@ def test_skip_zero_advantage_gives_the_gradient_without_the_zero_advantage_rows(
     assert without.abs().max() > 1e-4
     assert torch.allclose(skipped, without, atol=1e-7, rtol=1e-4)
     assert torch.allclose(counted, without / 2, atol=1e-7, rtol=1e-4)
+
+
+def cut_at_the_limit(rollout, rows) -> "dppo.Rollout":  # these rows reached --max_new_tokens without an EOS
+    truncated = torch.zeros(len(rollout.texts), dtype=torch.bool)
+    truncated[rows] = True
+    return dataclasses.replace(rollout, truncated=truncated)
+
+
+def test_overlong_filter_gives_the_gradient_without_the_cut_completions(tiny_policy):
+    """DAPO's overlong filtering (arXiv 2503.14476, §3.4): completions cut at the length limit give no gradient and
+    leave the normaliser, as if absent; their advantages are the group's as scored. Without the flag they count."""
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    rollout = cut_at_the_limit(rollout, [0, 5])  # the two 6-token completions: 12 of the 30 tokens
+    cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
+    filtered, metrics = gradient(model, rollout, A, dataclasses.replace(cfg, overlong_filter=True))
+    kept = torch.tensor([1, 2, 3, 4, 6, 7])
+    without, _ = gradient(model, rollout.select(kept), A[kept], cfg)
+    counted, _ = gradient(model, rollout, A, cfg)
+    assert without.abs().max() > 1e-4 and not torch.allclose(counted, without, atol=1e-6, rtol=1e-2)
+    assert torch.allclose(filtered, without, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("truncated_reward, expected", [("keep", [1.0, 1.0, 0.0, 1.0]), ("zero", [1.0, 0.0, 0.0, 0.0])])
+def test_truncated_reward_zero_gives_a_cut_completion_0_whatever_its_text(truncated_reward, expected, monkeypatch):
+    """A cut reasoning chain whose last number happens to be the answer earns 1 under keep (the default, the score
+    as it is) and 0 under zero; a completion that ended with EOS keeps its score either way."""
+    rollout, _ = hand_built_rollout(300)
+    texts = ["so 12. Answer: 12", "3 + 9 = 12", "3 + 9 = 13", "first 3, then 9, so 12"] * 2
+    rollout = dataclasses.replace(cut_at_the_limit(rollout, [1, 3, 5, 7]), texts=texts)
+    monkeypatch.setattr(dppo, "generate_rollout", lambda *args: rollout)
+    cfg = config(prompts_per_step=2, samples_per_prompt=4, truncated_reward=truncated_reward)
+    problems = [{"question": "3 + 9?", "answer": "#### 12"}] * 2
+    run = SimpleNamespace(reward_history={})
+    step = dppo.sample_rewarded(1, 1, None, SimpleNamespace(chat_template=None), problems, run, cfg)
+    assert step.rewards.tolist() == expected * 2
 
 
 def every_row_computed(rows, A, micro_batch_size):  # the reference: update_policy before it left out A = 0's rows
@@ -2499,6 +2616,63 @@ def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_ca
     nonzero = [r["advantage/nonzero_frac"] for r in steps]
     assert nonzero[:2] == pytest.approx(grpo_nonzero[:2], abs=1e-9)  # epoch 1: first visits, SAS is GRPO
     assert any(n > g + 1e-9 for n, g in zip(nonzero[3:], grpo_nonzero[3:]))  # after the resume, the history counted
+
+
+class Killed(BaseException):  # the process is gone: nothing after this point of save_checkpoint runs
+    pass
+
+
+def save_killed_at(kill_at: int, half_written: bool, run, model, tokenizer, optimizer, monkeypatch) -> list[str]:
+    """save_checkpoint of step 4 killed before its kill_at-th write, rename or removal (half_written: inside
+    torch.save, its file left cut short); the operations that ran."""
+    done = []
+
+    def watched(name, real):
+        def operation(*args, **kwargs):
+            if len(done) == kill_at:
+                if half_written and name == "torch.save":
+                    Path(args[1]).write_bytes(b"PK\x03\x04 cut short")
+                raise Killed
+            done.append(name)
+            return real(*args, **kwargs)
+
+        return operation
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dppo.shutil, "rmtree", watched("rmtree", shutil.rmtree))
+        patch.setattr(dppo.torch, "save", watched("torch.save", torch.save))
+        patch.setattr(Path, "rename", watched("rename", Path.rename))
+        patch.setattr(type(model), "save_pretrained", watched("model", type(model).save_pretrained))
+        patch.setattr(type(tokenizer), "save_pretrained", watched("tokenizer", type(tokenizer).save_pretrained))
+        with contextlib.suppress(Killed):
+            dppo.save_checkpoint(run, model, tokenizer, optimizer, 4)
+    return done
+
+
+def test_a_kill_anywhere_in_a_checkpoints_save_leaves_a_whole_one_that_resume_finds(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """Killed before any of the save's writes, renames and removals, or inside its torch.save, the run leaves a whole
+    checkpoint that newest_checkpoint (--resume's) finds: the new step 4 once its training_state.pt is in place, else
+    step 2's; it loads and restores, and the save after the resume leaves one checkpoint."""
+    model, tokenizer = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    operations = ["rmtree", "model", "tokenizer", "torch.save", "rename", "rmtree", "rename", "rename", "rmtree"]
+    kills = [(at, False) for at in range(len(operations) + 1)] + [(operations.index("torch.save"), True)]
+    for kill_at, half_written in kills:
+        out = tmp_path / f"killed-at-{kill_at}{'-half-written' if half_written else ''}"
+        run = SimpleNamespace(output_dir=out, pending=[], initial_accuracy=0.5, reward_history={}, tracker_resume=None)
+        dppo.save_checkpoint(run, model, tokenizer, optimizer, 2)
+        done = save_killed_at(kill_at, half_written, run, model, tokenizer, optimizer, monkeypatch)
+        assert done == operations[:kill_at]
+        found = dppo.newest_checkpoint(out)
+        expected_step = 4 if kill_at > operations.index("torch.save") + 1 else 2  # its file renamed in place: whole
+        assert torch.load(found / "training_state.pt", weights_only=True)["step"] == expected_step, (kill_at, found)
+        dppo.load_policy(str(found), torch.device("cpu"))
+        assert dppo.restore_checkpoint(found, model, optimizer)[0] == expected_step + 1
+        dppo.save_checkpoint(run, model, tokenizer, optimizer, 6)  # the resumed run's next save
+        assert sorted(path.name for path in out.iterdir()) == ["checkpoint"]
+        assert torch.load(dppo.newest_checkpoint(out) / "training_state.pt", weights_only=True)["step"] == 6
 
 
 KILLED_ONCE_ITS_LAST_STEP_IS_LOGGED = """import os, signal, sys
@@ -3316,6 +3490,17 @@ def one_line_exit_2(argv, capsys) -> str:
 def test_bad_settings_fail_in_one_line_before_anything_is_loaded(flags, says, capsys, monkeypatch):
     nothing_may_load(monkeypatch)
     assert says in one_line_exit_2(flags, capsys)
+
+
+def test_a_rerun_over_a_record_is_refused_naming_resume_and_the_flag_that_starts_over(tmp_path, capsys, monkeypatch):
+    nothing_may_load(monkeypatch)
+    record = tmp_path / "metrics.jsonl"
+    record.write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    says = one_line_exit_2(["--output_dir", str(tmp_path)], capsys)
+    assert f"--output_dir {tmp_path} holds a run" in says and "--resume" in says and "--overwrite_output_dir" in says
+    assert record.read_text() == '{"step": 0, "eval/accuracy": 0.5}\n'
+    with pytest.raises(pytest.fail.Exception, match="were loaded"):  # past the check: it starts over
+        dppo.main(["--output_dir", str(tmp_path), "--overwrite_output_dir"])
 
 
 def test_bad_files_and_directories_fail_in_one_line(tiny_checkpoint, tmp_path, capsys, monkeypatch):
@@ -4161,7 +4346,8 @@ def equivalence_batch(model) -> tuple:
     logp_mu[:, ::3] = math.log(0.5)  # far above the random model's pi ~ 1/300: the binary TV is large there
     topk_ids = torch.cat([completion_ids[..., None], torch.randint(200, 300, (B, T, K - 1), generator=generator)], -1)
     mu = dppo.LogProbs(logp_mu, logp_mu[..., None].expand(B, T, K) - 1.0, torch.ones(B, T))
-    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B)
+    uncut = torch.zeros(B, dtype=torch.bool)
+    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B, uncut)
     return rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 1.0, -1.0])
 
 

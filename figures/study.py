@@ -190,10 +190,14 @@ def state(run_dir: Path, flags: list[str]) -> str:
             refuse(f"{run_dir} holds a run with {theirs}, not {mine}: give this study another --out")
     if recorded["finished"] is not None:
         return "finished"
-    checkpoint = run_dir / "checkpoint" / "training_state.pt"
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dppo.py, beside figures/
+    from dppo import newest_checkpoint  # where a kill during its save left the newest whole one
+
+    checkpoint = newest_checkpoint(run_dir) / "training_state.pt"
     if not checkpoint.exists():
         return "new"
-    import torch
 
     step = torch.load(checkpoint, weights_only=True)["step"]
     resumed = recorded.get("resumed", [])
