@@ -1,4 +1,5 @@
-"""Tests for dppo.py and rewards.py. Run: HF_HUB_OFFLINE=1 python -m pytest -q   (one objective: -k <objective>)
+"""Tests for dppo.py and rewards.py, in dppo.py's order. Run: HF_HUB_OFFLINE=1 python -m pytest -q (the fast tier;
+-m "slow or not slow": everything; one objective: -k <objective>). The study tools' and figures' tests: figures/.
 
 The math tests use hand-built tensors and hand-computed numbers; the model tests use a tiny random Qwen2 written with
 save_pretrained and loaded back by path, as a user's checkpoint would be. Each objective has a section naming its paper
@@ -7,7 +8,7 @@ masked, plain-Python references of the sequels' formulas (drpo, cppo), DCPO's wo
 divergences' order (KL(mu || pi), keywords only) and binary <= top-K <= full. For every objective: thousands of extreme
 inputs stay finite, the anchor is clamped inside, the README's copy list runs alone, objective_loss passes every flag to
 its place, and the demo trains (fp32, bf16, on a GPU). Mechanisms every objective shares (micro-batches, evaluation,
-resume, the static cache, memory, processes: two processes = one) and the README's figures have theirs."""
+resume, the static cache, memory, processes: two processes = one) have theirs."""
 
 import os
 
@@ -23,15 +24,12 @@ import ctypes
 import dataclasses
 import functools
 import gc
-import hashlib
 import importlib.util
 import inspect
-import itertools
 import json
 import math
 import random
 import re
-import shlex
 import shutil
 import signal
 import sqlite3
@@ -56,10 +54,10 @@ from rewards import extract_answer, extract_gold, reward
 
 HERE = Path(__file__).parent
 
-# Tests marked cuda need a GPU: `python -m pytest -q -m cuda -s` runs them (and prints what they measure); without one
-# they are skipped. The marker is registered here, as the project's top level holds no pytest configuration file.
-if getattr(pytest.mark, "_config", None) is not None:
-    pytest.mark._config.addinivalue_line("markers", "cuda: needs a CUDA GPU (python -m pytest -q -m cuda -s)")
+# The tiers (pyproject.toml declares the markers): `python -m pytest -q` runs the fast one, `-m slow` the tests marked
+# slow (end-to-end runs, torchrun, real tokenizers and checkpoints, memory), `-m "slow or not slow"` all. Tests marked
+# cuda need a GPU: `python -m pytest -q -m cuda -s` runs them (and prints what they measure); without one they skip.
+slow = pytest.mark.slow
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (-m cuda)")
 CUDA_MARKS = [pytest.mark.cuda, needs_cuda]
 
@@ -171,6 +169,7 @@ def hostile_string(rng: random.Random, length: int) -> str:
     return "".join(parts)[:length]
 
 
+@slow
 def test_reward_and_extraction_take_linear_time_and_never_raise_on_random_hostile_text():
     rng = random.Random(0)
     for text in ["", " ", "{}", "\\boxed{}", "####", *(hostile_string(rng, 100_000) for _ in range(100))]:
@@ -1570,6 +1569,7 @@ def readme_copy_lists() -> dict:
     return {name: re.findall(r"`(\w+)`", copied) + ["log_ratio", "LOG_EPS"] for name, copied in cells}
 
 
+@slow
 def test_importing_dppo_changes_no_environment_variable_and_registers_no_attention():
     """A trainer that imports dppo_loss alone gets nothing else: the tokenizers setting and the attention
     registration happen where a model is loaded (load_policy), not on import."""
@@ -2245,9 +2245,10 @@ def test_gradient_checkpointing_recomputes_every_layer_and_changes_no_number(tin
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory) -> str:
-    """The built-in demo model, built once for the test session (about 20 s)."""
-    cache = str(tmp_path_factory.mktemp("dppo-cache"))
+def demo_cache() -> str:
+    """The built-in demo model where `python dppo.py` keeps it (~/.cache/dppo): built by the first run or test that
+    needs it (about 2 minutes on a 2-core CPU), then reused, as by every run."""
+    cache = os.path.expanduser(dppo.Config.cache_dir)
     dppo.build_tiny_model(cache)
     return cache
 
@@ -2292,15 +2293,15 @@ def test_two_training_steps_on_a_checkpoint_loaded_by_path(demo_cache, tmp_path)
     assert any(not torch.equal(before[name], after[name]) for name in before)
 
 
-def every_objective(label: str, flags: str, *marks) -> list:
-    return [pytest.param(o, flags, marks=marks, id=f"{o}-{label}") for o in dppo.OBJECTIVES]
+def every_objective(label: str, flags: str, *marks, fast=()) -> list:  # the objectives in `fast` without the marks
+    return [pytest.param(o, flags, marks=() if o in fast else marks, id=f"{o}-{label}") for o in dppo.OBJECTIVES]
 
 
 TRAINING_RUNS = [  # (objective, flags): fp32 and two of its options, bf16 on a CPU, and on a GPU (bf16 by default)
-    *every_objective("fp32", "--steps 3"),
-    pytest.param("topk_tv", "--steps 3 --recompute_old", id="topk_tv-recompute_old"),
-    pytest.param("erc", "--steps 3 --gradient_checkpointing", id="erc-gradient_checkpointing"),
-    *every_objective("bf16", "--steps 2 --precision bf16"),
+    *every_objective("fp32", "--steps 3", slow, fast=["binary_tv"]),  # the default's: the fast tier's demo run
+    pytest.param("topk_tv", "--steps 3 --recompute_old", marks=slow, id="topk_tv-recompute_old"),
+    pytest.param("erc", "--steps 3 --gradient_checkpointing", marks=slow, id="erc-gradient_checkpointing"),
+    *every_objective("bf16", "--steps 2 --precision bf16", slow),
     *every_objective("cuda", "--steps 2 --device cuda", pytest.mark.cuda, needs_cuda),
 ]
 
@@ -2354,6 +2355,7 @@ def test_demo_model_stops_at_eos_and_the_mask_ends_there(demo_cache, generation_
         assert all(token == tokenizer.pad_token_id for token in row[length:])
 
 
+@slow
 def test_the_demo_learns(demo_cache, tmp_path):
     result = cli(f"--cache_dir {demo_cache} --steps 40 --eval_every 40", tmp_path)
     assert result["final_accuracy"] >= result["initial_accuracy"] + 0.08
@@ -2390,6 +2392,7 @@ def demo_greedy(demo_cache) -> SimpleNamespace:
     return SimpleNamespace(model=model, tokenizer=tokenizer, problems=problems, accuracy=accuracy)
 
 
+@slow
 def test_evaluation_accuracy_does_not_depend_on_the_batch_size(demo_greedy):
     model, tokenizer, problems = demo_greedy.model, demo_greedy.tokenizer, demo_greedy.problems
     assert 0 < demo_greedy.accuracy < 1  # some answers right, some wrong: a wrong count would show
@@ -2469,6 +2472,7 @@ def test_evaluation_reports_avg_and_pass_at_k_from_k_samples_a_problem(tiny_poli
     assert set(greedy_only) == {"eval/accuracy", "eval/truncated"}
 
 
+@slow
 def test_a_run_with_eval_samples_logs_avg_and_pass_at_k_and_trains_as_without(demo_cache, tmp_path):
     """The sampled evaluation draws from a random stream of its own: training is metric for metric a run's without."""
     for name, flags in (("with", "--eval_samples 4"), ("without", "")):
@@ -2514,6 +2518,7 @@ def test_two_ppo_epochs_give_each_completion_with_a_nonzero_advantage_exactly_tw
     assert all(passes.count(row) == 2 for row in (0, 2, 3, 5, 6, 7)) and len(passes) == 12
 
 
+@slow
 def test_staleness_2_trains_step_t_on_the_rollout_sampled_at_step_t_minus_2_by_that_steps_weights(
     demo_cache, tmp_path, monkeypatch
 ):
@@ -2565,6 +2570,7 @@ def test_reuse_and_staleness_together_are_allowed_with_one_line_on_stderr(capsys
 # -------------------------------------------------------------------------- resume: a run continued from its checkpoint
 
 
+@slow
 def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(demo_cache, tmp_path):
     """dcpo, so that SAS's per-prompt history is saved and loaded too (these 6 steps revisit no prompt, so a lost
     history would change no number here: test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history)."""
@@ -2577,6 +2583,7 @@ def test_a_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(demo_cach
     assert comparable(halves) == comparable(whole)
 
 
+@slow
 def test_a_resumed_run_that_revisits_its_prompts_keeps_their_sas_history(demo_cache, tmp_path, monkeypatch):
     """16 problems to train on, 8 a step, 3 epochs: each epoch samples all 16 prompts, so from step 3 on
     SAS's per-prompt reward history, not GRPO, sets the advantages, and the history has to survive a process
@@ -2692,6 +2699,7 @@ def killed_script(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("reuse", ["", "--staleness 2 --ppo_epochs 2"])
+@slow
 def test_a_run_killed_two_steps_past_its_checkpoint_resumes_to_the_uninterrupted_record(reuse, demo_cache, tmp_path):
     """Killed once steps 4 and 5 are logged (the checkpoint is step 3's), its last line cut short as a kill in the
     middle of a write leaves it; resumed, metrics.jsonl holds the uninterrupted run's records, each once. With
@@ -2717,6 +2725,7 @@ def test_a_run_killed_two_steps_past_its_checkpoint_resumes_to_the_uninterrupted
     assert [r.get("policy/staleness_steps") for r in whole if "loss" in r] == ([0, 1, 2, 2, 2] if reuse else [None] * 5)
 
 
+@slow
 def test_the_last_k_steps_sample_nothing_and_a_stale_run_extended_by_resume_refills_its_queue(demo_cache, tmp_path):
     """--staleness 2: the last 2 steps sample no rollout, so a run of 3 steps draws fewer random numbers from step 2
     on than a run of 6 and its trajectory parts from step 2. A finished run extended by --resume to more steps
@@ -2755,6 +2764,7 @@ def test_a_crafted_training_state_is_refused_in_one_line_without_running_its_cod
 # ------------------------------------------------------------------------- the static cache (--generation_cache static)
 
 
+@slow
 def test_the_static_cache_trains_the_demo_as_the_dynamic_one_does(demo_cache, tmp_path):
     """fp32 on a CPU: the static path's padded prompts change no sampled token, only the last digits of some numbers
     (measured: 2e-6 at most, in |pi - mu|'s maximum). bf16 rounds differently with the shapes: tokens then differ."""
@@ -2955,6 +2965,7 @@ def qwen_policy(qwen_checkpoint):
     return dppo.load_policy(str(qwen_checkpoint), torch.device("cpu"))
 
 
+@slow
 def test_qwen_tokenizer_has_qwen_ids_and_prompts_are_templated(qwen_policy):
     model, tokenizer = qwen_policy
     assert type(tokenizer).__name__ == "Qwen2Tokenizer" and len(tokenizer) == 151646
@@ -2986,6 +2997,7 @@ def test_qwen_tokenizer_has_qwen_ids_and_prompts_are_templated(qwen_policy):
         "He is left with 5 - 12 = <<5-12=-7>>-7 dollars, i.e. he owes 7 — ¿sí? ✓\n#### -7",
     ],
 )
+@slow
 def test_gsm8k_answers_round_trip_through_the_qwen_tokenizer_and_the_reward(qwen_policy, answer):
     _, tokenizer = qwen_policy
     assert tokenizer.decode(tokenizer(answer).input_ids) == answer
@@ -2999,6 +3011,7 @@ def test_gsm8k_answers_round_trip_through_the_qwen_tokenizer_and_the_reward(qwen
     assert text == f"So the answer is \\boxed{{{gold}}}." and reward(text, gold) == 1.0
 
 
+@slow
 def test_generation_stops_on_either_qwen_eos_id(qwen_policy, monkeypatch):
     model, tokenizer = qwen_policy
     forced = {(0, 2): QWEN_ENDOFTEXT, (1, 4): QWEN_IM_END}  # (row, decoding step) -> the token it must emit
@@ -3024,6 +3037,7 @@ def test_generation_stops_on_either_qwen_eos_id(qwen_policy, monkeypatch):
     assert not any("<|im_end|>" in text or "<|endoftext|>" in text for text in rollout.texts)
 
 
+@slow
 def test_checkpoint_sampling_defaults_do_not_leak_into_mu(qwen_policy):
     """The checkpoint says temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.1; the flags say
     temperature 1.0 and nothing else. The tokens must be drawn from softmax(logits / 1.0) over the whole
@@ -3047,6 +3061,7 @@ def test_checkpoint_sampling_defaults_do_not_leak_into_mu(qwen_policy):
     assert abs(midpoint.mean() - 0.5) < 4 * math.sqrt(1 / 12 / len(midpoint))
 
 
+@slow
 def test_a_real_vocabulary_checkpoint_runs_two_steps_by_path_and_saves_its_chat_template(qwen_checkpoint, tmp_path):
     """Qwen's tokenizer and 151,936 embedding rows through main, top-K recorded: finite metrics (the random model
     earns no reward, so nothing is learned here: the SmolLM2 test learns)."""
@@ -3077,6 +3092,7 @@ def readme_smollm2_run(objective: str) -> str:
     return f"--dataset arithmetic --objective {objective} {flags}"
 
 
+@slow
 def test_the_readme_smollm2_run_takes_two_steps_on_the_demo_model_with_the_mask_split(demo_cache, tmp_path):
     """The README's command on the demo model: the mask's split by sign and side in metrics.jsonl (pg: none)."""
     sides = [f"trust_region/blocked_frac_{a}_adv_{side}" for a in ("pos", "neg") for side in ("rising", "falling")]
@@ -3095,6 +3111,7 @@ def test_the_readme_smollm2_run_takes_two_steps_on_the_demo_model_with_the_mask_
 
 
 @pytest.mark.parametrize("objective", ["binary_tv", "ppo_clip"])
+@slow
 def test_smollm2_takes_a_step_of_the_readme_run_from_its_gguf_file(smollm2_gguf, tmp_path, objective):
     """A real pretrained model, read from its GGUF file by --model: one step of the README's learning run, with
     rewards parsed from its real completions. Its weights move exactly when some completion had a non-zero
@@ -3166,6 +3183,7 @@ def in_a_fresh_process(call: str):
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@slow
 def test_recording_mu_keeps_the_rollout_memory_of_plain_generate_not_of_kept_logits(large_vocab_checkpoint):
     """At Qwen's 151,936-token vocabulary, recording mu costs a few (B, V) temporaries of one decoding step,
     whatever T: the rollout's peak stays within a few percent of plain generate(), while keeping the
@@ -3209,6 +3227,7 @@ def training_peak_memory_mib(
     return peaks
 
 
+@slow
 def test_training_memory_is_bounded_by_the_chunk_not_by_the_logits(large_vocab_checkpoint):
     """No B x T x V tensor in a training step whose logits exceed LOGITS_KEPT (0 here, as for a large batch): at
     Qwen's vocabulary, tripling the completion length adds hardly any memory, while the fp32 logits of those tokens
@@ -3265,6 +3284,7 @@ def update_peak_mib(micro_batch: int, prompt: int, completion: int) -> float:
     return dppo.peak_memory_mb(cpu) - before
 
 
+@slow
 def test_update_memory_bound_holds_on_a_cpu():
     """The cuda test's bound on the update's peak (update_memory_bound_mib), against a peak measured on a CPU in fp32
     at a small shape: never below it, and not 30% above it (measured 634 MiB, bound 715)."""
@@ -3379,6 +3399,7 @@ def bench(checkpoint: str):
 # ---------------------------------------------------------------------------- datasets as users pass them
 
 
+@slow
 def test_dataset_from_a_save_to_disk_directory_or_a_jsonl_directory(tmp_path):
     from datasets import Dataset, DatasetDict
 
@@ -3431,6 +3452,7 @@ def assert_fails_fast(seconds: dict):
 
 
 @pytest.mark.parametrize("dataset", ["gsm8k", "arithmetic"])  # the dataset is checked first, then the model
+@slow
 def test_an_unreachable_hub_fails_fast_in_one_line(dataset, tmp_path):
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}  # port 9: nothing listens
     env.pop("HF_HUB_OFFLINE")
@@ -3562,9 +3584,10 @@ def test_a_model_path_that_does_not_exist_is_named_before_the_dataset_is_loaded(
         ("nothing", "no such file"),
         ("an empty file", "an empty file"),
         ("a text file", "not a GGUF file"),
-        (
+        pytest.param(
             "SmolLM2's first 5 MB",
             "truncated or unreadable: cannot reshape array of size 3214336 into shape (49152,612)",
+            marks=slow,
         ),
         (
             "GGUF's first bytes, without the gguf package",
@@ -3635,6 +3658,7 @@ def dppo_subprocess(argv, env, cwd) -> subprocess.CompletedProcess:
         (["--dataset", "gsm8k"], "--dataset gsm8k: the Hub dataset openai/gsm8k is not in"),
     ],
 )
+@slow
 def test_offline_a_hub_name_missing_from_the_cache_says_so_and_how_out(argv, missing, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
     stderr = dppo_subprocess([*argv, "--cache_dir", str(tmp_path / "demo")], env, tmp_path).stderr
@@ -3647,6 +3671,7 @@ def test_offline_a_hub_name_missing_from_the_cache_says_so_and_how_out(argv, mis
     "argv",
     [["--model", "no-such-org/no-such-model", "--dataset", "arithmetic"], ["--dataset", "no-such-org/no-such-data"]],
 )
+@slow
 def test_online_a_hub_name_that_does_not_exist_fails_in_one_line(argv, tmp_path):
     """A stand-in Hub on this machine's loopback that answers 404 to everything."""
     import http.server
@@ -3678,6 +3703,7 @@ def test_online_a_hub_name_that_does_not_exist_fails_in_one_line(argv, tmp_path)
 # ---------------------------------------------------------------------------- --report_to: trackers
 
 
+@slow
 def test_the_progress_bar_shows_numbers_as_a_person_reads_them(demo_cache, tmp_path, capsys):
     cli(f"--cache_dir {demo_cache} --steps 1 --eval_n 10", tmp_path)
     bar = capsys.readouterr().err  # e.g. acc=30.0%, blocked=0.00%, gen_tok_s=10235, reward=0.131: no 1.02e+4
@@ -3721,6 +3747,7 @@ def by_step(records: list[dict]) -> dict:
     return dict(merged)
 
 
+@slow
 def test_tensorboard_gets_every_record_of_metrics_jsonl_and_the_flags_and_drops_a_resumed_runs_later_ones(
     demo_cache, tmp_path
 ):
@@ -3759,6 +3786,7 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
+@slow
 def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_resumed_run_continues_it(
     demo_cache, tmp_path
 ):
@@ -3788,6 +3816,7 @@ def test_wandb_offline_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_re
     assert (run.display_name, run.run_group) == (f"demo-{flags['objective']}-seed{flags['seed']}", tmp_path.name)
 
 
+@slow
 def test_trackio_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_resumed_run_continues_it(demo_cache, tmp_path):
     """The resumed run goes on in the same trackio run (the latest of its name); the step the earlier process logged
     past the checkpoint stays there beside the resumed run's (trackio drops no step)."""
@@ -3801,456 +3830,6 @@ def test_trackio_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_resumed_
     assert [(step, json.loads(values)) for step, values, _ in logged] == expected
     resumed_flags = {**flags, "resume": str(tmp_path / "run"), "is_cap": "Infinity"}  # the config: the latest run's
     assert {k: v for k, v in json.loads(config).items() if not k.startswith("_")} == resumed_flags
-
-
-# ---------------------------------------------------------------------------- run_gsm8k.sh
-
-
-def test_run_gsm8k_smoke_mode_end_to_end(demo_cache, tmp_path):
-    # As a user runs it: no --model, so the built-in model from ~/.cache/dppo, here the session's one.
-    (tmp_path / "home" / ".cache").mkdir(parents=True)
-    (tmp_path / "home" / ".cache" / "dppo").symlink_to(demo_cache)
-    objectives = ["dcpo", "topk_tv"]  # two of the eight: the pipeline is the same for each
-    smoke = ["bash", str(HERE / "run_gsm8k.sh"), "--smoke", "--out", tmp_path, "--objectives", " ".join(objectives)]
-    result = subprocess.run(smoke, capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path / "home")})
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = table_rows(tmp_path / "results.md", "Per run")
-    assert list(rows) == objectives
-    for objective, row in rows.items():
-        evals = [r for r in records(tmp_path / f"{objective}-seed0") if "eval/accuracy" in r]
-        assert [r["step"] for r in evals] == [0, 3]  # before and after training only
-        assert row[:2] == [f"{100 * evals[i]['eval/accuracy']:.1f}" for i in (0, -1)]
-    if importlib.util.find_spec("matplotlib") is not None:  # an optional extra: without it, the table alone
-        assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def write_metrics(path: Path, accuracies, blocked, blocked_rare, lengths, also_by_tv=None):
-    """A hand-made metrics.jsonl: evaluations every 2 steps, and a step record per entry of `blocked`."""
-    path.mkdir(parents=True)
-    records = []
-    for step, (b, rare, n) in enumerate(zip(blocked, blocked_rare, lengths), start=1):
-        record = {"step": step, "reward/mean": 0.5, "completion/length_mean": n, "completion/truncated": 0.1 * step}
-        record |= {"policy/abs_pi_minus_mu_mean": 0.01 * step, "policy/abs_pi_minus_mu_max": 0.1 * step}
-        record |= {"policy/mismatch_first_update_mean": 0.001, "policy/rare_token_frac": 0.2}
-        record |= {"trust_region/blocked_frac": b, "trust_region/blocked_rare_frac": rare}
-        if also_by_tv is not None:
-            record["trust_region/blocked_also_by_tv_frac"] = also_by_tv
-        records.append(record)
-    records += [{"step": 2 * i, "eval/accuracy": a, "time/elapsed_s": 60.0 * i} for i, a in enumerate(accuracies)]
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["step"])))
-    provenance = {"commit": "0" * 40, "cpu": "a CPU", "flags": [], "finished": "2026-01-01 00:00:00"}
-    (path / "provenance.json").write_text(json.dumps(provenance))
-
-
-def table_rows(results: Path, title: str) -> dict[str, list[str]]:
-    """The rows of results.md's table under the line that starts with title: {name: its cells}."""
-    lines = results.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(title))
-    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :])
-    return {row.split("`")[1]: row.strip("| ").split(" | ")[1:] for row in table if row.startswith("| `")}
-
-
-def study_report(out: Path) -> list:
-    """Hand-made runs of pg (1 seed, linked as seed 1) and ppo_clip (2 seeds), and the command that reports on them."""
-    write_metrics(out / "pg-seed0", [0.3, 0.1, 0.2], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20])
-    for seed, final in ((0, 0.5), (1, 0.7)):
-        runs = dict(blocked=[0.1, 0.3], blocked_rare=[0.05, 0.3], lengths=[10, 20], also_by_tv=0.05)
-        write_metrics(out / f"ppo_clip-seed{seed}", [0.3, 0.4, final], **runs)
-    (out / "pg-seed1").symlink_to(out / "pg-seed0")
-    report = f"bash {HERE / 'run_gsm8k.sh'} --report --demo --out {out}".split()
-    return [*report, "--objectives", "pg ppo_clip", "--seeds", "0 1"]
-
-
-def test_a_study_report_has_mean_and_std_over_seeds_with_or_without_matplotlib(tmp_path):
-    """The table needs no matplotlib: here it cannot be imported (a stand-in that raises ImportError comes first on
-    the path), and the report says in one line how to get the curves."""
-    (tmp_path / "no-matplotlib" / "matplotlib").mkdir(parents=True)
-    (tmp_path / "no-matplotlib" / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
-    hidden = {**os.environ, "PYTHONPATH": str(tmp_path / "no-matplotlib")}
-    result = subprocess.run(study_report(tmp_path / "study"), capture_output=True, text=True, timeout=120, env=hidden)
-    assert result.returncode == 0 and result.stderr.count("\n") == 1, result.stderr
-    assert "pip install matplotlib" in result.stderr
-    assert not (tmp_path / "study" / "curves.png").exists()
-    rows = table_rows(tmp_path / "study" / "results.md", "Per run")
-    # before, final, lowest, truncated at the end, |pi-mu| at the end, its max, at update 1, blocked, rare among
-    # the blocked (weighted by tokens: (0.05*10 + 0.3*20) / (0.1*10 + 0.3*20)), rare among all, TV overlap, seconds
-    pg = "30.0 ± 0.0 | 20.0 ± 0.0 | 10.0 ± 0.0 | 15.0 ± 0.0 | 0.0150 ± 0.0000 | 0.200 ± 0.000 | 1.0e-03 ± 0.0e+00"
-    assert rows["pg"] == f"{pg} | 0.00 ± 0.00 | – | 20.0 ± 0.0 | – | 120 ± 0".split(" | ")
-    assert rows["ppo_clip"][:3] == ["30.0 ± 0.0", "60.0 ± 14.1", "30.0 ± 0.0"]
-    assert rows["ppo_clip"][7:11] == ["20.00 ± 0.00", "92.9 ± 0.0", "20.0 ± 0.0", "21.4 ± 0.0"]  # (0.5 + 1) / 7
-
-
-def test_a_study_report_draws_the_curves_with_matplotlib(tmp_path):
-    if importlib.util.find_spec("matplotlib") is None:
-        missing_test_asset("matplotlib is not installed (pip install matplotlib): the curves cannot be tested")
-    result = subprocess.run(study_report(tmp_path), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert list(table_rows(tmp_path / "results.md", "Greedy held-out accuracy")) == ["pg", "ppo_clip"]
-
-
-def readme_study() -> tuple[list[str], list[str]]:
-    """The seeded SmolLM2 study's command, `bash run_gsm8k.sh --demo --model $GGUF … --variant … -- FLAGS`, from its
-    README: the script's options, and the flags after -- for every dppo.py run."""
-    readme = (HERE / "figures" / "smollm2_seeds" / "README.md").read_text(encoding="utf-8")  # its study's README
-    line = re.search(r"^bash run_gsm8k\.sh (--demo --model \$GGUF .*--variant .*)$", readme, re.M).group(1)
-    options, flags = line.split(" -- ")
-    return shlex.split(options), flags.split()
-
-
-def with_option(options: list[str], name: str, value=None) -> list[str]:
-    """options without name's value, and with value instead if given."""
-    i = options.index(name)
-    return options[:i] + options[i + 2 :] + ([name, value] if value is not None else [])
-
-
-def test_the_readme_study_runs_in_pieces_on_the_demo_model(demo_cache, tmp_path):
-    """The README's seeded study for 2 steps on the demo model, seed 0: each record holds its provenance and no
-    model; the same command again skips every finished run; the report over a partial set names the runs missing
-    or unfinished, and refuses records from two CPU models."""
-    options, flags = readme_study()
-    names = options[options.index("--objectives") + 1].split()
-    out = tmp_path / "study"
-    options = with_option(with_option(with_option(options, "--model"), "--seeds", "0"), "--out", str(out))
-    flags += f"--steps 2 --eval_every 2 --eval_n 8 --eval_batch_size 8 --cache_dir {demo_cache}".split()
-    study = ["bash", str(HERE / "run_gsm8k.sh"), *options, "--", *flags]
-    first = subprocess.run(study, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    variant, variant_flags = options[options.index("--variant") + 1 : options.index("--variant") + 3]
-    for name in names:
-        provenance = json.loads((out / f"{name}-seed0" / "provenance.json").read_text())
-        assert provenance["finished"] and re.fullmatch(r"[0-9a-f]{40}(-dirty)?", provenance["commit"])
-        assert provenance["cpu"] and provenance["torch"] == torch.__version__
-        assert provenance["flags"][-len(flags) :] == flags
-        assert (variant_flags if name == variant else f"--objective {name}") in " ".join(provenance["flags"])
-        assert sorted(path.name for path in (out / f"{name}-seed0").iterdir()) == ["metrics.jsonl", "provenance.json"]
-    metrics = {name: (out / f"{name}-seed0" / "metrics.jsonl").read_bytes() for name in names}
-    again = subprocess.run(study, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and again.stdout.count("finished before, skipped") == len(names), again.stderr
-    assert metrics == {name: (out / f"{name}-seed0" / "metrics.jsonl").read_bytes() for name in names}
-    shutil.copytree(out / f"{names[0]}-seed0", out / f"{names[0]}-seed1")  # a run stopped part way
-    unfinished = json.loads((out / f"{names[0]}-seed1" / "provenance.json").read_text()) | {"finished": None}
-    (out / f"{names[0]}-seed1" / "provenance.json").write_text(json.dumps(unfinished))
-    report = ["python", str(HERE / "figures" / "study.py"), "report", str(out), "--names", " ".join(names)]
-    partial = subprocess.run([*report, "--seeds", "0 1"], capture_output=True, text=True, timeout=120)
-    assert partial.returncode == 0, partial.stderr
-    assert f"{names[0]} seed 1 (unfinished); {names[1]} seed 1 (missing)" in partial.stdout
-    assert table_rows(out / "results.md", "Greedy held-out accuracy")[names[0]][0] == "0"  # seed 1 is left out
-    elsewhere = json.loads((out / f"{names[1]}-seed0" / "provenance.json").read_text()) | {"cpu": "another CPU"}
-    (out / f"{names[1]}-seed0" / "provenance.json").write_text(json.dumps(elsewhere))
-    mixed = subprocess.run([*report, "--seeds", "0"], capture_output=True, text=True, timeout=120)
-    assert mixed.returncode == 1 and "the records come from 2 cpus" in mixed.stderr
-
-
-def test_a_record_names_its_model_file_by_name_and_hash_so_a_study_resumes_from_another_checkout(tmp_path):
-    """A GGUF file given to --model is recorded by name and sha256, not by the path of the machine that ran it: the
-    same file elsewhere (another virtual environment) continues the study; another file of that name is refused; an
-    older record, which holds the path, is read by the file's name."""
-    study = [sys.executable, str(HERE / "figures" / "study.py")]
-    here, there = tmp_path / "venv-a" / "model.gguf", tmp_path / "venv-b" / "model.gguf"
-    for path, content in ((here, b"weights"), (there, b"weights")):
-        path.parent.mkdir()
-        path.write_bytes(content)
-    run = tmp_path / "study" / "pg-seed0"
-
-    def call(command, model, *more):
-        flags = ["--model", str(model), "--objective", "pg", *more]
-        return subprocess.run([*study, command, str(run), "--", *flags], capture_output=True, text=True, timeout=120)
-
-    assert call("start", here).returncode == 0
-    provenance = json.loads((run / "provenance.json").read_text())
-    assert provenance["flags"][:2] == ["--model", "model.gguf"] and str(tmp_path) not in json.dumps(provenance)
-    assert provenance["model_file"] == {"name": "model.gguf", "sha256": hashlib.sha256(b"weights").hexdigest()}
-    assert call("state", there).stdout.strip() == "new"  # started, no checkpoint yet: not refused
-    assert "--seed" in call("state", there, "--seed", "1").stderr  # any other flag still counts
-    there.write_bytes(b"other weights")
-    refused = call("state", there)
-    assert refused.returncode == 2 and "not of this model.gguf" in refused.stderr
-    older = provenance | {"flags": ["--model", str(here), "--objective", "pg"]}
-    del older["model_file"]
-    (run / "provenance.json").write_text(json.dumps(older))
-    assert call("state", there).stdout.strip() == "new"  # an older record: by the file's name
-
-
-def test_the_compare_table_has_a_column_per_record_directory_and_pools_none(tmp_path):
-    """study.py compare: a column per directory (each holding one kind of machine), per name the mean ± std at the
-    step asked and each seed's value; a name a directory lacks is "not run"."""
-    for seed, accuracy in ((0, 0.5), (1, 0.7)):
-        write_metrics(
-            tmp_path / "a" / f"pg-seed{seed}",
-            [0.3, 0.4, accuracy],
-            blocked=[0, 0],
-            blocked_rare=[0, 0],
-            lengths=[10, 20],
-        )
-    write_metrics(tmp_path / "b" / "pg-seed0", [0.3, 0.2, 0.1], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20])
-    write_metrics(
-        tmp_path / "b" / "ppo_clip-seed1", [0.3, 0.2, 0.9], blocked=[0, 0], blocked_rare=[0, 0], lengths=[10, 20]
-    )
-    command = [
-        sys.executable,
-        str(HERE / "figures" / "study.py"),
-        "compare",
-        "--names",
-        "pg ppo_clip",
-        "--seeds",
-        "0 1",
-    ]
-    command += ["--column", f"first={tmp_path / 'a'}", "--column", f"second={tmp_path / 'b'}"]
-    result = subprocess.run([*command, "--step", "4"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rows = {
-        line.split("`")[1]: line.strip("| ").split(" | ")[1:] for line in result.stdout.splitlines() if "| `" in line
-    }
-    assert rows["pg"] == ["60.0 ± 14.1 (50.0 / 70.0; seeds 0, 1)", "10.0 (10.0; seeds 0)"]
-    assert rows["ppo_clip"] == ["not run", "90.0 (90.0; seeds 1)"]
-    assert result.stdout.count("- first:") == result.stdout.count("- second:") == 1
-
-
-def study_module():
-    spec = importlib.util.spec_from_file_location("study", HERE / "figures" / "study.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    return study
-
-
-def test_the_sustained_drop_break_rule_and_fishers_exact_test_by_hand():
-    """The stale-data study's rule (figures/smollm2_stale/preregistration.md) on the records that motivated it: one
-    dip that recovers breaks no run under it; a fall of 15 points from its own best does. Fisher's one-sided p: the
-    break counts its readings name (5 of 5 against 1 of 5, 4 of 5 against 0 of 5) are below 0.05, 5 against 2 not."""
-    study = study_module()
-    dip = {0: 15.5, 5: 5.5, 10: 18.0, 15: 25.0, 20: 30.0}  # the stress study's topk_tv seed 0, in shape
-    assert study.fell_at(dip, "first_drop") == [5] and study.fell_at(dip, "sustained_drop") == []
-    rose_and_fell = {0: 15.5, 5: 45.5, 10: 26.0}  # its pilot's pg at U = 8, lr 3e-5: 19.5 below its best
-    assert study.fell_at(rose_and_fell, "first_drop") == [] and study.fell_at(rose_and_fell, "sustained_drop") == [10]
-    assert study.fell_at({0: 20, 5: 14, 10: 15, 15: 30, 20: 30}, "sustained_drop") == [5]  # two in a row: the first
-    assert study.fell_at({0: 20, 5: 22, 10: 24, 15: 24, 20: 15}, "sustained_drop") == [20]  # the last, 5 below (9
-    # below its best: the last clause alone breaks it)
-    assert study.fell_at({0: 20, 5: 15.1, 10: 14, 15: 20, 20: 21}, "sustained_drop") == []  # 4.9 below, then 6
-    assert study.fisher_one_sided(0, 5, 5, 5) == pytest.approx(1 / 252)
-    assert study.fisher_one_sided(1, 5, 5, 5) == study.fisher_one_sided(0, 5, 4, 5) == pytest.approx(6 / 252)
-    assert study.fisher_one_sided(2, 5, 5, 5) == pytest.approx(21 / 252)  # 0.083: not below 0.05
-    assert study.fisher_one_sided(3, 5, 3, 5) == pytest.approx((20 * 6 + 15 * 4 + 6) / 252)  # equal counts: 0.74
-
-
-def test_the_delay_sign_test_and_the_break_counts_across_directories_by_hand(tmp_path):
-    """The reuse study's readings (figures/reuse_demo/preregistration.md): the sign test's p (9 of 10 and 5 of 5
-    pass at 0.05, 8 of 10 and 4 of 4 do not); a mask that never broke counts as later, one that broke at the same
-    step does not, a seed where neither broke is left out; the break counts of two directories and Fisher's p."""
-    study = study_module()
-    sign_test = study.sign_test_one_sided
-    assert [sign_test(*k) for k in ((9, 10), (5, 5), (8, 10), (4, 4))] == [11 / 1024, 1 / 32, 56 / 1024, 1 / 16]
-    curves = {"pg": [[30, 20, 20], [30, 20, 20], [30, 40, 40]], "binary_tv": [[30, 40, 40], [30, 20, 20], [30, 40, 40]]}
-    for name, runs in curves.items():  # broke at step 2, 2, none; and none, 2, none
-        for seed, accuracies in enumerate(runs):
-            write_metrics(tmp_path / "E4" / f"{name}-seed{seed}", accuracies, [0.0], [0.0], [10])
-            write_metrics(tmp_path / "E1" / f"{name}-seed{seed}", [30, 40, 40], [0.0], [0.0], [10])
-    finished = study.load_records(tmp_path / "E4", ["pg", "binary_tv"], ["0", "1", "2"])[0]
-    assert study.later_breaks(finished, "binary_tv", "pg", ["0", "1", "2"], "sustained_drop") == (1, 2)
-    table = study.breaks(
-        [("E 1", tmp_path / "E1"), ("E 4", tmp_path / "E4")], ["pg", "binary_tv"], ["0", "1", "2"], "sustained_drop"
-    )
-    assert "| `pg` | 0 of 3 | 2 of 3 | 0.200 |" in table and "| `binary_tv` | 0 of 3 | 1 of 3 | 0.500 |" in table
-
-
-def test_a_report_wires_each_pair_to_its_interval_break_counts_and_sign_test_by_hand(tmp_path):
-    """report() on hand-made runs, 3 seeds: pg falls 10 points and stays (broken at step 2 on every seed); binary_tv
-    ends 10, 20, 30 points above it. t(0.975, 2 df) = 4.303: step 2's +10, +15, +20 is 15 ± 5, 15 ∓ 4.303 · 5 / √3 =
-    [+2.6, +27.4], a gap; step 4's +10, +20, +30 is [−4.8, +44.8], not one. Fisher: 0 of 3 against 3 of 3 is 1 / C(6, 3)
-    = 0.050; binary_tv later on 3 of 3: the sign test's 1/8."""
-    study = study_module()
-    for seed, (middle, last) in enumerate(((0.3, 0.3), (0.35, 0.4), (0.4, 0.5))):
-        write_metrics(tmp_path / f"binary_tv-seed{seed}", [0.3, middle, last], [0.0], [0.0], [10])
-        write_metrics(tmp_path / f"pg-seed{seed}", [0.3, 0.2, 0.2], [0.0], [0.0], [10])
-    text = study.report(
-        tmp_path,
-        ["pg", "binary_tv"],
-        ["0", "1", "2"],
-        [("binary_tv", "pg")],
-        "sustained_drop",
-        "sign_and_interval",
-        delay=True,
-    )
-    rows = [line for line in text.splitlines() if line.startswith("| `binary_tv` − `pg` |")]
-    assert rows == [
-        "| `binary_tv` − `pg` | 2 | +10.0 | +15.0 | +20.0 | +15.0 ± 5.0 | [+2.6, +27.4] | a gap: one sign in every "
-        "seed, interval excludes 0 |",
-        "| `binary_tv` − `pg` | 4 | +10.0 | +20.0 | +30.0 | +20.0 ± 10.0 | [-4.8, +44.8] | one sign in every seed, "
-        "interval includes 0: not a gap |",
-    ]
-    assert "| `pg` | broke on | 3 of 3 seeds |" in text and "| `binary_tv` | broke on | 0 of 3 seeds |" in text
-    assert "- `binary_tv` 0 of 3, `pg` 3 of 3: p = 0.050" in text.splitlines()
-    assert "- `binary_tv` later than `pg` on 3 of 3: p = 0.125" in text.splitlines()
-
-
-def test_a_report_stars_the_minutes_of_a_run_that_shared_its_cpu_or_resumed_and_no_other(tmp_path):
-    """A resumed run's clock restarts at its checkpoint, and a run beside other work is slowed by it: its minutes are
-    not its whole run's own, and the report says so with a star; a run with neither mark has none."""
-    for name in ("pg", "ppo_clip", "binary_tv"):
-        write_metrics(tmp_path / f"{name}-seed0", [0.3, 0.4], blocked=[0.0], blocked_rare=[0], lengths=[10])
-    for name, mark in (("pg", "resumed"), ("ppo_clip", "shared_cpu")):
-        provenance = json.loads((tmp_path / f"{name}-seed0" / "provenance.json").read_text())
-        (tmp_path / f"{name}-seed0" / "provenance.json").write_text(json.dumps(provenance | {mark: "why"}))
-    report = study_module().report(tmp_path, ["pg", "ppo_clip", "binary_tv"], ["0"], [], "sustained_drop")
-    minutes = {
-        line.split("`")[1]: line.strip("| ").split(" | ")[-1]
-        for line in report.split("| minutes |")[1].split("\n\n")[0].splitlines()
-        if line.startswith("| `")
-    }
-    assert minutes == {"pg": "1.0 *", "ppo_clip": "1.0 *", "binary_tv": "1.0"}  # one seed: no std
-
-
-def test_the_offpolicy_table_has_a_row_per_name_and_setting_with_numbers_by_hand(tmp_path):
-    """study.py offpolicy: final and lowest accuracy, the largest |pi - mu| (0.1 x the last step here) and the tokens
-    blocked, weighted by each step's tokens: (0.1 x 10 + 0.3 x 30) / 40 = 25% for the first setting."""
-    write_metrics(
-        tmp_path / "fresh" / "pg-seed0", [0.3, 0.4, 0.5], blocked=[0.1, 0.3], blocked_rare=[0, 0], lengths=[10, 30]
-    )
-    write_metrics(
-        tmp_path / "fresh" / "pg-seed1", [0.3, 0.2, 0.7], blocked=[0.0, 0.0], blocked_rare=[0, 0], lengths=[10, 30]
-    )
-    write_metrics(
-        tmp_path / "stale" / "pg-seed0", [0.3, 0.1, 0.2], blocked=[0, 0, 0.5], blocked_rare=[0] * 3, lengths=[5] * 3
-    )
-    command = [
-        sys.executable,
-        str(HERE / "figures" / "study.py"),
-        "offpolicy",
-        "--names",
-        "pg ppo_clip",
-        "--seeds",
-        "0 1",
-    ]
-    command += ["--row", f"k 0={tmp_path / 'fresh'}", "--row", f"k 4={tmp_path / 'stale'}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rows = [line.strip("| ").split(" | ")[1:] for line in result.stdout.splitlines() if line.startswith("| `pg`")]
-    assert rows[0] == [
-        "k 0",
-        "0, 1",
-        "60.0 ± 14.1 (50.0 / 70.0)",
-        "25.0 ± 7.1 (30.0 / 20.0)",
-        "0.200 ± 0.000 (0.200 / 0.200)",
-        "12.50 ± 17.68 (25.00 / 0.00)",
-    ]
-    assert rows[1] == ["k 4", "0", "20.0 (20.0)", "10.0 (10.0)", "0.300 (0.300)", "16.67 (16.67)"]
-    assert "| `ppo_clip` | k 0 | not run |" in result.stdout
-    assert "not in the table: ppo_clip seed 0 (missing)" in result.stdout
-
-
-def test_a_study_records_a_run_stopped_by_a_non_finite_loss_and_goes_on_but_ends_on_any_other_failure(
-    demo_cache, tmp_path
-):
-    """An absurd learning rate: update 1 moves the weights by about 1e30, update 2's loss is NaN, so each run stops
-    at step 1; both are finished records marked with that step, and the report follows. A run that failed otherwise
-    (its metrics end without the stop) is refused, exit 2, which ends the study (set -e)."""
-    out = tmp_path / "study"
-    tiny = f"--cache_dir {demo_cache} --prompts_per_step 4 --samples_per_prompt 4 --eval_n 8 --learning_rate 1e30"
-    study = ["bash", str(HERE / "run_gsm8k.sh"), "--demo", "--objectives", "ppo_clip pg", "--steps", "3"]
-    result = subprocess.run([*study, "--out", out, "--", *tiny.split()], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("ppo_clip", "pg"):
-        provenance = json.loads((out / f"{name}-seed0" / "provenance.json").read_text())
-        assert provenance["finished"] and provenance["stopped_nonfinite_at_step"] == 1
-        assert sorted(path.name for path in (out / f"{name}-seed0").iterdir()) == ["metrics.jsonl", "provenance.json"]
-    assert (out / "results.md").exists()
-    (out / "pg-seed0" / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')  # no stop in it
-    finish = ["python", str(HERE / "figures" / "study.py"), "finish", str(out / "pg-seed0"), "--stopped"]
-    refused = subprocess.run(finish, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "not on a non-finite loss" in refused.stderr
-
-
-def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_refuses_a_record_of_other_flags(
-    demo_cache, tmp_path
-):
-    """run_gsm8k.sh's demo study, killed (SIGKILL, the whole process group) once it has logged step 1, before its
-    first checkpoint: started again, it starts the run over, and the new record says so. Killed again once that
-    checkpoint is written, then started again: it resumes from the checkpoint, the record says so, and its records
-    equal an uninterrupted run's. The same study with another flag is refused in one line naming the flag and the
-    record's directory, and the record is kept."""
-    flags = f"{SMALL_DEMO} --steps 6 --eval_every 2 --cache_dir {demo_cache}".split()
-
-    def study(out, *more):
-        options = ["--demo", "--objectives", "binary_tv", "--save_every", "2", "--out", str(out)]
-        return ["bash", str(HERE / "run_gsm8k.sh"), *options, "--", *flags, *more]
-
-    def killed_once(written) -> int:  # the step of the last record when it was killed
-        killed = subprocess.Popen(study(tmp_path / "killed"), start_new_session=True, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while not written() and killed.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
-        assert not json.loads((record / "provenance.json").read_text())["finished"]
-        return study_module().last_logged_step(record)
-
-    whole = subprocess.run(study(tmp_path / "whole"), capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    record = tmp_path / "killed" / "binary_tv-seed0"
-    first = killed_once(lambda: step_records_so_far(record))
-    assert not (record / "checkpoint").exists()
-    second = killed_once(lambda: (record / "checkpoint").exists())
-    provenance = json.loads((record / "provenance.json").read_text())
-    [started_over] = provenance["started_over"]  # when, and how far the attempt before got
-    assert re.fullmatch(
-        rf"at [\d: -]+: the attempt started [\d: -]+ had logged up to step {first} and left no checkpoint", started_over
-    )
-    again = subprocess.run(study(tmp_path / "killed"), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "resumed from its last checkpoint" in again.stdout, again.stderr[-3000:]
-    assert comparable(records(record)) == comparable(records(tmp_path / "whole" / "binary_tv-seed0"))
-    [resumed] = json.loads((record / "provenance.json").read_text())["resumed"]
-    assert f"from its step-2 checkpoint (the attempt before had logged up to step {second})" in resumed
-    before = (record / "metrics.jsonl").read_bytes()
-    other = subprocess.run(study(tmp_path / "killed", "--learning_rate", "3e-4"), capture_output=True, text=True)
-    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
-    assert f"{record} holds a run with no --learning_rate, not --learning_rate 3e-4" in other.stderr
-    assert (record / "metrics.jsonl").read_bytes() == before
-
-
-def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
-    """Every report command in a study's README (the stale-data study's with --gap sign_and_interval, the criterion it
-    registered) redraws its results.md from its records as committed (but where each run broke, added after the first
-    three were drawn); each line of the seeded study's tables (but that one) and of each `breaks` table is in it."""
-    readmes = sorted((HERE / "figures").glob("*/README.md"), key=lambda p: (p.parent.name == "smollm2_seeds", p))
-    for readme in [path.read_text(encoding="utf-8") for path in readmes]:
-        for command in re.finditer(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M):
-            shutil.copytree(HERE / command[1], tmp_path / command[1])
-            report = [sys.executable, str(HERE / "figures/study.py"), "report", command[1], *shlex.split(command[2])]
-            result = subprocess.run([*report, "--figure", "drawn.png"], capture_output=True, text=True, cwd=tmp_path)
-            assert result.returncode == 0, result.stderr
-            drawn, committed = ((root / command[1] / "results.md").read_text() for root in (tmp_path, HERE))
-            if "\nWhere each run broke" not in committed:
-                drawn = re.sub(r"\nWhere each run broke.*?\n(?=\nPer run)", "", drawn, flags=re.S)
-            assert drawn == committed, command[1]
-        for command in re.finditer(r"^python figures/study\.py breaks (.*) --figure \S+$", readme, re.M):
-            breaks = [sys.executable, str(HERE / "figures/study.py"), "breaks", *shlex.split(command[1])]
-            printed = subprocess.run(breaks, capture_output=True, text=True, cwd=HERE).stdout.splitlines()
-            assert printed and [line for line in printed if line not in readme.splitlines()] == [], command[1]
-    drawn = drawn.split("\nPer run")[0]  # the seeded study's, last, as committed: no table of where each run broke
-    assert [line for line in drawn.splitlines() if line not in set(readme.splitlines())] == []  # in results.md alone
-    verdict = study_module().paired_verdict  # fp32's ppo_clip − pg at step 20: one sign, [−25.2, +50.2]
-    assert verdict([30.0, 4.5, 3.0], 3) == "a gap: one sign in every seed"
-    assert verdict([30.0, 4.5, 3.0], 3, "sign_and_interval") == "one sign in every seed, interval includes 0: not a gap"
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "drawn.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_the_results_documents_table_across_machines_is_what_study_py_compare_writes():
-    """The results index's table across machines, the SmolLM2 arms in three record directories (a column each), is
-    the output of the compare command written above it, line for line: no number in it is typed by hand."""
-    document = (HERE / "figures" / "README.md").read_text(encoding="utf-8")
-    command = re.search(r"^python figures/study\.py compare (.*)$", document, re.M)
-    result = subprocess.run(
-        [sys.executable, str(HERE / "figures" / "study.py"), "compare", *shlex.split(command.group(1))],
-        capture_output=True,
-        text=True,
-        cwd=HERE,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = set(document.splitlines())
-    assert [line for line in result.stdout.splitlines() if line not in lines] == []
-    assert document.index(result.stdout.splitlines()[2]) < document.index("## The demo model's evidence")
 
 
 # ---------------------------------------------------------------------------- command line
@@ -4455,6 +4034,7 @@ def two_process_results(tiny_checkpoint, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("objective, loss_agg", EQUIVALENCE_CASES)
+@slow
 def test_one_update_on_two_processes_equals_one_process(tiny_checkpoint, two_process_results, objective, loss_agg):
     weights, metrics = two_process_results["results"][(objective, loss_agg)]
     expected_weights, expected_metrics = one_update(tiny_checkpoint, objective, loss_agg)
@@ -4468,6 +4048,7 @@ def test_one_update_on_two_processes_equals_one_process(tiny_checkpoint, two_pro
         assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
 
 
+@slow
 def test_a_process_whose_completions_all_have_a_zero_advantage_runs_the_collectives_and_counts_its_tokens(
     tiny_checkpoint, two_process_results
 ):
@@ -4482,6 +4063,7 @@ def test_a_process_whose_completions_all_have_a_zero_advantage_runs_the_collecti
         assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
 
 
+@slow
 def test_stale_rollouts_queued_on_each_of_two_processes_train_as_on_one(tiny_checkpoint, two_process_results):
     """Each process keeps the queue of its own share; three steps at k = 1 update the weights as one process does."""
     weights, sampled_at = two_process_results["results"]["staleness 1"]
@@ -4493,6 +4075,7 @@ def test_stale_rollouts_queued_on_each_of_two_processes_train_as_on_one(tiny_che
         assert torch.allclose(weights[name], expected_weights[name], atol=1e-5, rtol=0), name
 
 
+@slow
 def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
     history = {}
     for visit, (indices, advantages) in enumerate(zip(SAS_VISITS, two_process_results["sas"])):
@@ -4504,6 +4087,7 @@ def test_sas_advantages_on_two_processes_equal_one_process(two_process_results):
 
 
 @pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+@slow
 def test_two_fsdp2_processes_record_mu_as_a_teacher_forced_pass_sees_it(two_process_results, generation_cache):
     gaps = two_process_results["rollout_gaps"][generation_cache]
     assert max(gaps["logp"], gaps["topk_logp"], gaps["entropy"]) <= 1e-4, gaps
@@ -4522,6 +4106,7 @@ def two_process_demo(demo_cache, out, flags: str) -> subprocess.CompletedProcess
     return result
 
 
+@slow
 def test_two_process_demo_runs_saves_one_model_and_resumes_exactly_after_a_kill(demo_cache, tmp_path):
     """dcpo, so that SAS's history is saved and loaded across processes (these steps revisit no prompt: the history's
     effect is tested on one process); 21 held-out problems, split 11 + 10. Killed (SIGKILL, both processes) two steps
@@ -4556,6 +4141,7 @@ runpy.run_path({dppo!r}, run_name="__main__")
 """
 
 
+@slow
 def test_a_non_finite_loss_under_torchrun_leaves_the_whole_model_rank_0_names(demo_cache, tmp_path):
     """An absurd learning rate: update 1 moves the weights by about 1e30, and update 2's loss is NaN. Every process
     stops there; rank 0 writes the model slowly. torchrun stops every process as soon as one exits non-zero."""
@@ -4604,6 +4190,7 @@ def interrupted_two_process_run(demo_cache, tmp_path_factory) -> SimpleNamespace
     return SimpleNamespace(result=torchrun(*args, while_running=ctrl_c_after_step_1), out=out, flags=flags)
 
 
+@slow
 def test_ctrl_c_under_torchrun_finishes_the_step_on_both_processes_and_saves_one_checkpoint(
     interrupted_two_process_run,
 ):
@@ -4625,6 +4212,7 @@ def test_ctrl_c_under_torchrun_finishes_the_step_on_both_processes_and_saves_one
     assert "KeyboardInterrupt" not in result.stderr and result.returncode != 0
 
 
+@slow
 def test_resume_with_another_number_of_processes_is_refused_in_one_line(interrupted_two_process_run, capsys):
     """The checkpoint above holds 2 processes' random streams; one process cannot continue it exactly. (--steps 1:
     were the run not refused, it would end at once instead of training on.)"""
@@ -4654,6 +4242,7 @@ def test_bad_input_for_two_processes_is_one_line_before_anything_is_loaded(flags
     assert says in one_line_exit_2([*argv, *flags], capsys)
 
 
+@slow
 def test_bad_input_under_torchrun_is_one_line_and_exit_2_everywhere_without_a_hang(tmp_path):
     flags, says = TWO_PROCESS_BAD_INPUT[-1]
     argv = f"--prompts_per_step 8 --samples_per_prompt 4 --updates_per_step 2 --output_dir {tmp_path}".split()
@@ -4670,6 +4259,7 @@ def test_bad_input_under_torchrun_is_one_line_and_exit_2_everywhere_without_a_ha
 
 
 @pytest.mark.parametrize("objective, loss_agg, precision", BF16_EQUIVALENCE_CASES)
+@slow
 def test_one_bf16_update_on_two_processes_equals_one_process(
     tiny_checkpoint, two_process_results, objective, loss_agg, precision
 ):
@@ -4738,6 +4328,7 @@ def sharded_load_checks(checkpoint, out):
     torch.distributed.destroy_process_group()
 
 
+@slow
 def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_load(tmp_path, monkeypatch):
     """Under torchrun only rank 0 reads the checkpoint (into CPU memory); the others build the model on the meta device,
     and each shard is filled by broadcast. The weights, RoPE's buffers and the EOS ids equal a whole load, and rank 1
@@ -4766,169 +4357,6 @@ def test_two_processes_load_a_model_once_into_their_shards_and_equal_a_whole_loa
         f"{results['processes'][0]['peak_mib']:.0f} MiB on rank 0, {rank_1:.0f} MiB on rank 1"
     )
     assert rank_1 < 0.75 * fp32_mib  # its half of the weights, and one tensor at a time in flight
-
-
-# ---------------------------------------------------------------------------- What DPPO changes: the README's figures
-# figures/what_dppo_changes.py draws them from dppo.py's own functions; these tests hold what it draws to closed forms
-# written here from the papers, so a figure that moved would fail here first.
-
-
-@functools.cache
-def figures():
-    spec = importlib.util.spec_from_file_location("what_dppo_changes", HERE / "figures" / "what_dppo_changes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REACH_MU = torch.tensor([1e-4, 1e-3, 0.01, 0.05, 0.1, 0.3, 0.5, 0.7, 0.9, 0.97], dtype=torch.float64)
-
-
-def binary_kl_by_hand(q, p):  # KL(mu || pi) over {a_t, the rest}, mu first (DPPO, arXiv 2602.04879, eq. 14)
-    return q * (q / p).log() + (1 - q) * ((1 - q) / (1 - p)).log()
-
-
-def bisect(f, low, high, iterations=80):  # where the increasing f crosses 0 between low and high, elementwise
-    for _ in range(iterations):
-        middle = (low + high) / 2
-        low, high = torch.where(f(middle) < 0, middle, low), torch.where(f(middle) < 0, high, middle)
-    return (low + high) / 2
-
-
-def test_the_drawn_trust_regions_end_where_the_papers_closed_forms_do():
-    """The furthest pi(a_t) that keeps its gradient, found by bisection on objective_loss and autograd, against the
-    closed forms: PPO's pi/mu = 1 - eps_low, 1 + eps_high (eq. 7; DAPO eq. 8); binary TV's |pi - mu| = delta (DPPO eqs.
-    11-13); binary KL's KL = delta (eq. 14); DCPO's roots of |r (r - 1)| q = eps (arXiv 2509.02333, eq. 4)."""
-    figs = figures()
-    mu = REACH_MU
-    one, zero = torch.ones_like(mu), torch.zeros_like(mu)
-    dcpo_low = 0.5 + 0.5 * (1 - 4 * 0.2 / mu).clamp(min=0).sqrt()
-    dcpo_high = (0.5 + 0.5 * (1 + 4 * 0.28 / mu).sqrt()).clamp(max=10)
-    kl_up = bisect(lambda p: binary_kl_by_hand(mu, p) - 0.05, mu, one - 1e-12)
-    kl_down = bisect(lambda p: 0.05 - binary_kl_by_hand(mu, p), torch.full_like(mu, 1e-300), mu)
-    kl_down = torch.where(binary_kl_by_hand(mu, torch.full_like(mu, 1e-12)) > 0.05, kl_down, zero)
-    expected = {  # objective: (down for A < 0, up for A > 0)
-        "ppo_clip": (0.8 * mu, (1.28 * mu).clamp(max=1)),
-        "binary_tv": ((mu - 0.15).clamp(min=0), (mu + 0.15).clamp(max=1)),
-        "binary_kl": (kl_down, kl_up),
-        "dcpo": (dcpo_low * mu, (dcpo_high * mu).clamp(max=1)),
-    }
-    drawn = [(name, flags, place) for name, flags, place in figs.REGIONS if name in expected]
-    assert sorted(name for name, _, _ in drawn) == sorted(expected)  # a renamed region would skip its check
-    for name, flags, place in drawn:
-        down, up = figs.furthest_reach(flags, mu, -1.0, place), figs.furthest_reach(flags, mu, +1.0, place)
-        assert torch.allclose(down, expected[name][0], rtol=1e-6, atol=1e-9), name
-        assert torch.allclose(up, expected[name][1], rtol=1e-6, atol=1e-9), name
-
-
-def test_cppo_drawn_after_a_spent_prefix_ends_where_its_budget_does():
-    """CPPO (arXiv 2606.10968, eqs. 8-11, 22), the 6th of 6 tokens after five with D = 0.06: w_6 = 0.8, W_5 = 4.6,
-    S_5 = 0.276, delta_b = clamp(P90(D), 0.02, 0.04) = 0.04, c_6 = min(0.15, 0.15 + 0.04 * 4.6 - 0.276) = 0.058; the
-    token is blocked once 0.8 |pi - mu| > 0.058. As its first token, CPPO is binary TV at delta 0.15."""
-    figs = figures()
-    mu = REACH_MU
-    spent, first = (flags for name, flags, place in figs.REGIONS if name.startswith("cppo"))
-    reach = 0.058 / 0.8
-    assert figs.SPENT_DRIFT == 0.06
-    assert torch.allclose(figs.furthest_reach(spent, mu, +1.0, "spent"), (mu + reach).clamp(max=1), atol=1e-9)
-    assert torch.allclose(figs.furthest_reach(spent, mu, -1.0, "spent"), (mu - reach).clamp(min=0), atol=1e-9)
-    assert torch.allclose(figs.furthest_reach(first, mu, +1.0), (mu + 0.15).clamp(max=1), atol=1e-9)
-
-
-def test_the_drawn_weights_of_cispo_drpo_and_the_relaxed_clip():
-    """cispo's gradient is PG's times clip(r, 1 - eps_low, 1 + eps_high) / r (MiniMax-M1, eqs. 4-5: 0 and 5 by
-    default); drpo's is PG's times 1 - sign(A (r - 1)) |pi - mu| / delta (arXiv 2606.09821, eq. 9); the relaxed clip
-    (DPPO section 6) lets a token with mu < 0.1 through on both sides, still under the dual clip for A < 0."""
-    figs = figures()
-    mu = torch.tensor([1e-4, 1e-3, 0.05, 0.3, 0.6], dtype=torch.float64)
-    pi = torch.tensor([1e-2, 1e-4, 0.5, 0.31, 0.2], dtype=torch.float64)
-    r = pi / mu
-    flags = {name: flags for name, flags, place in figs.REGIONS}
-    for sign in (1.0, -1.0):
-        cispo = figs.gradient_weight(flags["cispo (its weight)"], mu, pi, sign)
-        assert torch.allclose(cispo, r.clamp(0, 5) / r)
-        drpo = figs.gradient_weight(flags["drpo (its weight)"], mu, pi, sign)
-        assert torch.allclose(drpo, 1 - torch.sign(sign * (r - 1)) * (pi - mu).abs() / 12.5)
-    relaxed = flags["ppo_clip --relax_clip both"]
-    assert figs.gradient_weight(relaxed, mu, pi, +1.0).tolist() == [1, 1, 1, 1, 1]  # r = 100 passes at mu = 1e-4
-    assert figs.gradient_weight(relaxed, mu, pi, -1.0).tolist() == [0, 1, 1, 1, 0]  # dual clip r > 10; 0.6 is common
-
-
-def test_the_decade_table_counts_tokens_by_hand():
-    figs = figures()
-    mu = torch.tensor([5e-5, 5e-3, 5e-3, 0.5, 0.95], dtype=torch.float64)
-    pi = torch.tensor([5e-5, 7e-3, 5e-3, 0.2, 0.95], dtype=torch.float64)
-    rows = figs.decade_table({"bfloat16": (mu, pi)})
-    assert rows[2] == "| bfloat16 | [0, 0.0001) | 1 | 0 | 0 | 0 | 0 |"
-    # two tokens: |log r| 0.336 and 0; p99 of the two = 0.99 * 0.336; max |pi - mu| 0.002; one outside [0.8, 1.28]
-    assert rows[4] == f"| bfloat16 | [0.001, 0.01) | 2 | {0.99 * math.log(1.4):.3g} | 0.002 | 1 | 0 |"
-    assert rows[6] == f"| bfloat16 | [0.1, 0.9) | 1 | {math.log(2.5):.3g} | 0.3 | 1 | 1 |"
-    assert rows[7] == "| bfloat16 | [0.9, 1] | 1 | 0 | 0 | 0 | 0 |"
-
-
-def test_figure_1_records_mu_from_the_copy_and_pi_from_the_fp32_policy(tiny_checkpoint):
-    """Every sampled token's mu as the recorder took it from a copy in the given dtype, and pi from the fp32 policy:
-    an fp32 copy matches to float rounding, a bf16 one does not, and both see the same number of tokens."""
-    tokens = figures().sampled_tokens(str(tiny_checkpoint), "arithmetic", ("float32", "bfloat16"), 4, 2, 6)
-    (mu32, pi32), (mu16, pi16) = tokens["float32"], tokens["bfloat16"]
-    assert len(mu32) == len(pi32) and len(mu16) == len(pi16) and len(mu32) > 8
-    assert (pi32 / mu32).log().abs().max() < 1e-5
-    assert (pi16 / mu16).log().abs().max() > 1e-4
-
-
-def test_figure_1_refuses_a_bad_gguf_file_in_one_line_as_dppo_py_does(tmp_path, capsys, monkeypatch):
-    model = tmp_path / "empty.gguf"
-    model.touch()
-    monkeypatch.setattr(dppo, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(SystemExit) as exit_info:
-        figures().main(["--only", "numerics", "--model", str(model), "--out", str(tmp_path)])
-    assert exit_info.value.code == 2  # one error line, last, whatever the script said before it (no matplotlib, ...)
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert errors == [f"dppo.py: error: --model {model}: an empty file"]
-
-
-def test_the_rare_right_answer_is_slower_under_the_clip_than_under_tv_or_none():
-    """The bandit's ordering, held at seed 0 because it held in all 5 seeds the README reports (steps to 0.5 from
-    mu0 = 1e-3: ppo_clip 6, binary_tv 4, pg 4): PPO's clip slows a rare right token that binary TV lets grow."""
-    steps = {objective: len(figures().bandit(objective, 1e-3, seed=0)) for objective in ("pg", "ppo_clip", "binary_tv")}
-    assert steps["ppo_clip"] > steps["binary_tv"] >= steps["pg"]
-
-
-def test_without_matplotlib_the_figures_command_prints_its_tables_and_draws_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
-    figures().main(["--only", "regions", "--out", str(tmp_path)])
-    captured = capsys.readouterr()
-    assert "| `binary_tv` | 0 – 0.15 |" in captured.out and "no figure drawn" in captured.err
-    assert not list(tmp_path.iterdir())
-
-
-def test_token_classes_on_hand_made_completions(tiny_policy):
-    """What a blocked token is (figures/what_dppo_changes.py --only blocked), on known pieces: an EOS id; the final
-    answer's last occurrence; only digits, operators and spaces; a letter; anything else (a space, newline, ####)."""
-    tokenizer, eos = tiny_policy[1], tiny_policy[1].eos_token_id
-    pieces = [("Ann has", "words"), (" 6 * 7 = 42", "digits and operators")]
-    pieces += [("\n####", "other"), ("42", "final answer")]
-    ids = [tokenizer(text, add_special_tokens=False).input_ids for text, _ in pieces]
-    expected = [kind if tokenizer.decode([t]).strip() else "other" for (_, kind), i in zip(pieces, ids) for t in i]
-    assert figures().token_classes(tokenizer, [*sum(ids, []), eos], {eos}) == [*expected, "end of sequence"]
-    assert "final answer" not in figures().token_classes(tokenizer, ids[0], {eos})  # no number, no answer
-
-
-def test_the_blocked_token_record_is_the_mask_the_update_used(demo_cache, monkeypatch):
-    """--only blocked judges every trained token again with objective_loss, once per region: for the objective the
-    run trains, its record is the mask update_policy handed to add_token_stats, token for token."""
-    used, add_token_stats = [], dppo.add_token_stats
-
-    def keeping(stats, cfg, sampled, pi, anchor, A, blocked, first):
-        lengths = sampled.completion_mask.sum(1).tolist()
-        used.extend((blocked & (A != 0))[row, : int(n)].tolist() for row, n in enumerate(lengths))
-        add_token_stats(stats, cfg, sampled, pi, anchor, A, blocked, first)
-
-    monkeypatch.setattr(dppo, "add_token_stats", keeping)
-    run = ["--cache_dir", str(demo_cache), "--objective", "ppo_clip", "--steps", "2", "--eval_n", "8"]
-    records = figures().blocked_tokens(figures().BLOCKED_RUN + run)[0]
-    assert [record["blocked"]["ppo_clip"] for record in records] == used
-    assert any(map(any, used)) and not all(map(all, used))  # the clip bound some tokens, not all
 
 
 # ---------------------------------------------------------------------------- on a GPU: python -m pytest -q -m cuda -s
