@@ -273,6 +273,37 @@ def test_prompts_use_the_chat_template_when_there_is_one():
     )
 
 
+# ---------------------------------------------------------------------- config: the command line
+
+
+def test_demo_defaults_apply_only_without_a_model_and_never_over_a_typed_flag():
+    demo, qwen = dppo.parse_config([]), dppo.parse_config(["--model", QWEN_HUB_NAME])
+    assert (demo.dataset, demo.learning_rate) == ("arithmetic", 1e-4)
+    assert dppo.parse_config(["--learning_rate", "3e-4"]).learning_rate == 3e-4
+    assert (qwen.dataset, qwen.learning_rate) == ("gsm8k", 1e-6)
+    assert dppo.parse_config(["--recompute_old"]).recompute_old and not demo.recompute_old
+    assert (demo.output_dir, dppo.parse_config(["--resume", "a/run"]).output_dir) == ("runs/binary_tv-seed0", "a/run")
+
+
+def test_objective_defaults_give_way_to_typed_flags():
+    dcpo = dppo.parse_config(["--objective", "dcpo"])
+    assert (dcpo.advantage, dcpo.loss_agg) == ("sas", "seq_sum")
+    assert dppo.parse_config(["--objective", "dcpo", "--loss_agg", "token_mean"]).loss_agg == "token_mean"
+    assert (dppo.parse_config([]).advantage, dppo.parse_config([]).loss_agg) == ("grpo", "token_mean")
+    assert dppo.parse_config(["--objective", "binary_kl", "--delta_high", "0.1"]).delta_high == 0.1
+    assert dppo.parse_config([]).is_cap == math.inf and dppo.parse_config(["--is_cap", "5"]).is_cap == 5.0
+    cispo, gspo = dppo.parse_config(["--objective", "cispo"]), dppo.parse_config(["--objective", "gspo"])
+    assert (cispo.clip_low, cispo.clip_high) == (1.0, 4.0)  # clip_low 1 is allowed: a lower bound of 0
+    assert (gspo.clip_low, gspo.clip_high, gspo.loss_agg) == (3e-4, 4e-4, "seq_mean_token_mean")
+    assert dppo.parse_config(["--objective", "gspo", "--clip_high", "0.01"]).clip_high == 0.01
+
+
+def test_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        dppo.main(["--help"])
+    assert exit_info.value.code == 0 and "--objective" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------- rollout: what is recorded about mu
 
 
@@ -3830,37 +3861,6 @@ def test_trackio_gets_every_record_of_metrics_jsonl_and_the_flags_and_a_resumed_
     assert [(step, json.loads(values)) for step, values, _ in logged] == expected
     resumed_flags = {**flags, "resume": str(tmp_path / "run"), "is_cap": "Infinity"}  # the config: the latest run's
     assert {k: v for k, v in json.loads(config).items() if not k.startswith("_")} == resumed_flags
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def test_demo_defaults_apply_only_without_a_model_and_never_over_a_typed_flag():
-    demo, qwen = dppo.parse_config([]), dppo.parse_config(["--model", QWEN_HUB_NAME])
-    assert (demo.dataset, demo.learning_rate) == ("arithmetic", 1e-4)
-    assert dppo.parse_config(["--learning_rate", "3e-4"]).learning_rate == 3e-4
-    assert (qwen.dataset, qwen.learning_rate) == ("gsm8k", 1e-6)
-    assert dppo.parse_config(["--recompute_old"]).recompute_old and not demo.recompute_old
-    assert (demo.output_dir, dppo.parse_config(["--resume", "a/run"]).output_dir) == ("runs/binary_tv-seed0", "a/run")
-
-
-def test_objective_defaults_give_way_to_typed_flags():
-    dcpo = dppo.parse_config(["--objective", "dcpo"])
-    assert (dcpo.advantage, dcpo.loss_agg) == ("sas", "seq_sum")
-    assert dppo.parse_config(["--objective", "dcpo", "--loss_agg", "token_mean"]).loss_agg == "token_mean"
-    assert (dppo.parse_config([]).advantage, dppo.parse_config([]).loss_agg) == ("grpo", "token_mean")
-    assert dppo.parse_config(["--objective", "binary_kl", "--delta_high", "0.1"]).delta_high == 0.1
-    assert dppo.parse_config([]).is_cap == math.inf and dppo.parse_config(["--is_cap", "5"]).is_cap == 5.0
-    cispo, gspo = dppo.parse_config(["--objective", "cispo"]), dppo.parse_config(["--objective", "gspo"])
-    assert (cispo.clip_low, cispo.clip_high) == (1.0, 4.0)  # clip_low 1 is allowed: a lower bound of 0
-    assert (gspo.clip_low, gspo.clip_high, gspo.loss_agg) == (3e-4, 4e-4, "seq_mean_token_mean")
-    assert dppo.parse_config(["--objective", "gspo", "--clip_high", "0.01"]).clip_high == 0.01
-
-
-def test_help_exits_zero(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        dppo.main(["--help"])
-    assert exit_info.value.code == 0 and "--objective" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- torchrun: N processes, one update
