@@ -332,16 +332,6 @@ def sampling(cfg: Config) -> dict:
     return dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
-def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
-    """(prompt inputs, completion ids, completion mask) of model.generate, prompts left-padded (tokenize_prompts)."""
-    static = cfg.generation_cache == "static"  # every call the same shapes: see static_cache
-    inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
-    prompt_length = inputs.input_ids.shape[1]
-    decoding |= static_cache(model, prompt_length + cfg.max_new_tokens) if static else {}
-    completion_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)[:, prompt_length:]
-    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
-
-
 # ============================================================================ advantages
 
 
@@ -611,23 +601,8 @@ def policy_logprobs(model, batch, temperature, precision="fp32", with_topk=False
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **hidden_states_only)
         hidden = out.hidden_states[-1][:, -T - 1 : -1]  # after the final norm, at the positions that predict a_1 .. a_T
         topk_ids = batch.topk_ids if with_topk else None
-        logits = OutputLogits(model)
+        logits = OutputLogits(model)  # the output layer and what the model's forward applies after it (plumbing)
         return logprobs_in_chunks(logits, hidden, batch.completion_ids, topk_ids, temperature, with_entropy)
-
-
-class OutputLogits:
-    """The logits, fp32, as the model's forward makes them: the output layer, then what its config says comes after
-    (Cohere's logit_scale, Granite's logits_scaling, Gemma's final_logit_softcapping c: c * tanh(logits / c))."""
-
-    def __init__(self, model):
-        config = model.config.get_text_config()
-        self.lm_head, self.vocab_size = model.get_output_embeddings(), model.get_output_embeddings().weight.shape[0]
-        self.scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-        self.cap = getattr(config, "final_logit_softcapping", None)
-
-    def __call__(self, hidden):
-        logits = self.lm_head(hidden).float() * self.scale  # * 1.0 for most models: the same bits
-        return self.cap * torch.tanh(logits / self.cap) if self.cap else logits
 
 
 def logprobs_in_chunks(logits_of, hidden, targets, topk_ids, temperature, with_entropy) -> LogProbs:
@@ -1278,6 +1253,21 @@ def check_output_logits(model, name_or_path: str):
         fail(f"--model {name_or_path}: its forward changes its output layer's logits ({named or '?'}): not loaded")
 
 
+class OutputLogits:
+    """The logits, fp32, as the model's forward makes them: the output layer, then what its config says comes after
+    (Cohere's logit_scale, Granite's logits_scaling, Gemma's final_logit_softcapping c: c * tanh(logits / c))."""
+
+    def __init__(self, model):
+        config = model.config.get_text_config()
+        self.lm_head, self.vocab_size = model.get_output_embeddings(), model.get_output_embeddings().weight.shape[0]
+        self.scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+        self.cap = getattr(config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden):
+        logits = self.lm_head(hidden).float() * self.scale  # * 1.0 for most models: the same bits
+        return self.cap * torch.tanh(logits / self.cap) if self.cap else logits
+
+
 CPU_FLAGS = {"bfloat16": {"avx512_bf16", "amx_bf16", "bf16"}, "float16": {"avx512_fp16", "amx_fp16", "asimdhp"}}
 
 
@@ -1427,6 +1417,16 @@ def all_gathered_objects(item) -> list:
 
 
 # -------- generation (prompts to tokens, tokens to text, bf16 autocast, the static cache), then checkpoints
+
+
+def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
+    """(prompt inputs, completion ids, completion mask) of model.generate, prompts left-padded (tokenize_prompts)."""
+    static = cfg.generation_cache == "static"  # every call the same shapes: see static_cache
+    inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
+    prompt_length = inputs.input_ids.shape[1]
+    decoding |= static_cache(model, prompt_length + cfg.max_new_tokens) if static else {}
+    completion_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)[:, prompt_length:]
+    return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
