@@ -15,6 +15,14 @@ added that file, with that commit's copy of this script:
 
     git worktree add /tmp/replication <commit> && cp -r figures/smollm2_reuse_replication /tmp/replication/figures/
     cd /tmp/replication && python figures/reuse_study.py --stage replication --main /path/to/main
+
+--stage by_seed is stage 2's study on seeds 5-14 again, as figures/smollm2_reuse_by_seed/preregistration.md registers
+it: a seed is a stratum. A seed's four arms run on one kind of CPU; a seed whose records hold another kind is set aside
+(moved to set_aside/, never read) and starts over here. Run it with the pinned install, from a worktree of the commit
+that added that file, with that commit's copy of this script:
+
+    git worktree add /tmp/by_seed <commit> && cp -r figures/smollm2_reuse_by_seed /tmp/by_seed/figures/
+    cd /tmp/by_seed && python figures/reuse_study.py --stage by_seed --main /path/to/main
 """
 
 import argparse
@@ -45,6 +53,10 @@ CONTROL = (1, "1e-5")
 # The replication: stage 2's chosen rung on fresh seeds, one kind of CPU for every run.
 REPLICATION = Path("figures/smollm2_reuse_replication")
 REPLICATION_SEEDS = range(5, 15)
+BY_SEED = Path("figures/smollm2_reuse_by_seed")
+BY_SEED_SEEDS = range(5, 15)
+PINNED = {"torch": "2.13.0", "transformers": "5.24.0"}  # stage 2's versions
+STAGE_2_KIND = ("AMD EPYC", "cpu family 25 model 17 stepping 1", "AVX512")  # where the check run is made
 KIND = ("cpu", "cpu_id", "cpu_capability")  # what a run's arithmetic depends on, as provenance.json records it
 
 
@@ -200,12 +212,68 @@ def replication(main: Path | None):
     print("== the replication is complete: report it with the commands in its pre-registration")
 
 
+def kind_of(record: Path) -> tuple:
+    provenance = json.loads((record / "provenance.json").read_text())
+    return tuple(provenance.get(key, "not recorded") for key in KIND)
+
+
+def commit_in(main: Path, paths: list[str], message: str):
+    git = ["git", "-C", str(main)]
+    for attempt in range(10):  # another git command in main may hold its index for a moment
+        added = subprocess.run([*git, "add", "-A", "--", *paths]).returncode == 0
+        if added and subprocess.run([*git, "commit", "-q", "-m", message, "--", *paths]).returncode == 0:
+            return
+        time.sleep(3)
+
+
+def set_aside(seed: int, kinds: set[tuple], main: Path | None):
+    """Moves a seed's records of another kind to set_aside/seed<N>-<kind>/, here and in main, where no reading looks."""
+    label = "-".join(part.replace(" ", "_") for part in sorted(kinds)[0])
+    shelf = BY_SEED / "set_aside" / f"seed{seed}-{label}"
+    moved = []
+    for arm in ARMS:
+        record = BY_SEED / f"{arm}-seed{seed}"
+        for root in [Path(".")] + ([main] if main is not None else []):
+            if (root / record).exists():
+                (root / shelf).mkdir(parents=True, exist_ok=True)
+                shutil.move(str(root / record), str(root / shelf / record.name))
+                moved.append(str(record))
+    print(f"== seed {seed} held runs of {' | '.join(map(', '.join, sorted(kinds)))}: set aside in {shelf}", flush=True)
+    if main is not None and moved:
+        message = f"Reuse study {BY_SEED}: seed {seed}'s records of another CPU kind set aside in {shelf}"
+        commit_in(main, sorted(set(moved)) + [str(shelf)], message)
+
+
+def by_seed(main: Path | None):
+    import torch
+    import transformers
+
+    versions = {"torch": torch.__version__.split("+")[0], "transformers": transformers.__version__}
+    if versions != PINNED:
+        sys.exit(f"reuse_study.py: the study pins {PINNED}; this environment has {versions}: see its pre-registration")
+    here = tuple(study.machine()[key] for key in KIND)
+    options = ["--model", str(GGUF), "--steps", "10", "--eval_every", "2", "--save_every", "2"]
+    passes, lr = LADDER[0]  # stage 2's rung, the one its pilot chose
+    flags = [*COMMON.split(), "--learning_rate", lr, "--ppo_epochs", str(passes)]
+    if here == STAGE_2_KIND:  # stage 2's pg seed 0 again, on its kind, to compare with its record
+        broke(BY_SEED / "check", "pg", 0, options, flags, main)
+    for seed in BY_SEED_SEEDS:
+        records = [BY_SEED / f"{arm}-seed{seed}" for arm in ARMS]
+        kinds = {kind_of(record) for record in records if (record / "provenance.json").exists()}
+        if kinds - {here}:
+            set_aside(seed, kinds - {here}, main)
+        print(f"== seed {seed} on {', '.join(here)}", flush=True)
+        for arm in ARMS:
+            broke(BY_SEED, arm, seed, options, flags, main)
+    print("== the study is complete: report it with the readings in its pre-registration")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=("1", "2", "replication"), required=True)
+    parser.add_argument("--stage", choices=("1", "2", "replication", "by_seed"), required=True)
     parser.add_argument("--main", type=Path, help="a checkout to copy each finished record into and commit it there")
     args = parser.parse_args(argv)
-    {"1": stage_1, "2": stage_2, "replication": replication}[args.stage](args.main)
+    {"1": stage_1, "2": stage_2, "replication": replication, "by_seed": by_seed}[args.stage](args.main)
 
 
 if __name__ == "__main__":
