@@ -79,6 +79,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
+from transformers import DynamicCache
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedTokenizerFast, Qwen2Config, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -143,7 +144,9 @@ class Config:
     # -------- plumbing: memory, speed, files
     gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward")
     precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", "auto bf16 fp32")
-    generation_cache: str = setting("dynamic", "KV cache: grown a token at a time, or allocated once", "dynamic static")
+    generation_cache: str = setting(
+        "auto", "KV cache: grown a token at a time, or allocated once; auto: static on CUDA", "auto dynamic static"
+    )
     max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: the longest, to 64s)")
     device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
     output_dir: str = setting("", "metrics.jsonl and the model go here; empty: --resume or runs/<objective>-seed<seed>")
@@ -320,7 +323,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollo
     """One completion per prompt, recording mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
-        inputs, tokens, mask = generate(model, tokenizer, prompts, cfg, logits_processor=[recorder], **sampling(cfg))
+        recording = dict(logits_processor=[recorder], **sampling(cfg))
+        inputs, tokens, mask = generate(model, tokenizer, prompts, cfg, prefill_once=True, **recording)
     topk_ids, mu = recorder.finish(tokens)
     cut = ~torch.isin(tokens, torch.tensor(model.generation_config.eos_token_id, device=tokens.device)).any(1)
     sampled = dict(completion_ids=tokens, completion_mask=mask, texts=decode(tokenizer, tokens, mask), truncated=cut)
@@ -915,7 +919,8 @@ def main(argv=None) -> dict:
     resume_from = newest_checkpoint(Path(cfg.resume)) if cfg.resume else None
     train_problems, held_out = load_data(cfg, resume_from)
     model, tokenizer, sampler, optimizer = load_model(cfg, resume_from, device)
-    cfg = dataclasses.replace(cfg, max_prompt_tokens=prompt_length_limit(cfg, tokenizer, train_problems + held_out))
+    prompt_limit = prompt_length_limit(cfg, tokenizer, train_problems + held_out, device)
+    cfg = dataclasses.replace(cfg, max_prompt_tokens=prompt_limit)
     first_step, carried = restore_checkpoint(resume_from, model, optimizer) if resume_from else (1, {})
     last_step = cfg.epochs * (len(train_problems) // cfg.prompts_per_step) if cfg.epochs > 0 else cfg.steps
     with Run(cfg, output_dir, first_step, last_step, carried, device, started) as run:
@@ -1169,9 +1174,9 @@ def train_and_test(splits, source: str) -> tuple[list[dict], list[dict]]:
     return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]]
 
 
-def prompt_length_limit(cfg: Config, tokenizer, problems: list[dict]) -> int:
+def prompt_length_limit(cfg: Config, tokenizer, problems: list[dict], device: torch.device) -> int:
     """--max_prompt_tokens, with no prompt longer; under the static cache, if 0, the longest rounded up to 64."""
-    if not (cfg.max_prompt_tokens or cfg.generation_cache == "static"):
+    if not (cfg.max_prompt_tokens or uses_static_cache(cfg, device)):
         return 0
     prompts = [format_prompt(tokenizer, p["question"]) for p in problems]
     longest = max(map(len, tokenizer(prompts, add_special_tokens=not tokenizer.chat_template).input_ids))
@@ -1419,14 +1424,45 @@ def all_gathered_objects(item) -> list:
 # -------- generation (prompts to tokens, tokens to text, bf16 autocast, the static cache), then checkpoints
 
 
-def generate(model, tokenizer, prompts: list[str], cfg: Config, **decoding):
-    """(prompt inputs, completion ids, completion mask) of model.generate, prompts left-padded (tokenize_prompts)."""
-    static = cfg.generation_cache == "static"  # every call the same shapes: see static_cache
+def generate(model, tokenizer, prompts: list[str], cfg: Config, prefill_once=False, **decoding):
+    """(prompt inputs, completion ids, completion mask) of model.generate, prompts left-padded (tokenize_prompts).
+    With prefill_once, a prompt repeated in consecutive rows (a GRPO group) is prefilled once, not once a row."""
+    static = uses_static_cache(cfg, model.device)
     inputs = tokenize_prompts(tokenizer, prompts, model.device, length=cfg.max_prompt_tokens if static else 0)
     prompt_length = inputs.input_ids.shape[1]
-    decoding |= static_cache(model, prompt_length + cfg.max_new_tokens) if static else {}
+    cache = StaticCache(model.config, max_cache_len=prompt_length + cfg.max_new_tokens) if static else None
+    if prefill_once and any(this == next_one for this, next_one in zip(prompts, prompts[1:])):
+        cache = prefilled_cache(model, inputs, prompts, cache)
+    if cache is not None:
+        decoding |= dict(cache=cache, disable_compile=isinstance(model, FSDPModule))  # FSDP2's gathered weights move
     completion_ids = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, **decoding)[:, prompt_length:]
     return inputs, completion_ids, completion_mask(completion_ids, model.generation_config.eos_token_id)
+
+
+def uses_static_cache(cfg: Config, device: torch.device) -> bool:
+    """--generation_cache auto is static on CUDA, where generate then compiles its decoding step once, and dynamic
+    elsewhere. A static cache is allocated once, so every call has the same shapes. Its values keep their own dtype
+    (transformers >= 5.24): under bf16 autocast RoPE turns the keys fp32, while the values stay bf16."""
+    return cfg.generation_cache == "static" or (cfg.generation_cache == "auto" and device.type == "cuda")
+
+
+@torch.no_grad()
+def prefilled_cache(model, inputs, prompts: list[str], cache=None):
+    """Fills `cache` (a new DynamicCache if None) with the keys and values of every prompt but its last token. A run of
+    equal consecutive prompts is computed once and copied to each of its rows. generate then starts from the last
+    prompt token, as it does for any cache that holds a prefix. The prefill batch is smaller than the whole batch, so
+    its numbers may differ from the whole batch's by rounding."""
+    firsts = [row for row in range(len(prompts)) if row == 0 or prompts[row] != prompts[row - 1]]
+    copies = torch.tensor(firsts[1:] + [len(prompts)]) - torch.tensor(firsts)
+    input_ids, mask = inputs.input_ids[firsts, :-1], inputs.attention_mask[firsts, :-1]
+    position_ids = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # as generate numbers a left-padded prompt
+    prefix = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=prefix, logits_to_keep=1)
+    copies = copies.to(input_ids.device)
+    for index, layer in enumerate(prefix.layers):
+        cache.update(layer.keys.repeat_interleave(copies, 0), layer.values.repeat_interleave(copies, 0), index)
+    return cache
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], device, length=0) -> dict:
@@ -1457,13 +1493,6 @@ def autocast(model, precision: str):
 
 def in_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
-def static_cache(model, length: int) -> dict:
-    """--generation_cache static: a KV cache allocated once, `length` long, so that every call has the same shapes
-    and generate compiles its decoding step once (on CUDA; not for FSDP2, whose gathered weights move). Its values
-    keep their own dtype (transformers >= 5.24): under bf16 autocast RoPE turns the keys fp32, the values stay bf16."""
-    return {"cache": StaticCache(model.config, max_cache_len=length), "disable_compile": isinstance(model, FSDPModule)}
 
 
 def packed_decode_attention(module, query, key, value, attention_mask, **kwargs):

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, StaticCache
 
 import dppo
 from rewards import extract_answer, extract_gold, reward
@@ -323,6 +323,55 @@ def test_recorded_mu_equals_teacher_forced_softmax_over_temperature(tiny_policy,
     assert (rollout.mu.entropy - entropy)[m].abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_a_group_prefilled_once_samples_what_a_row_by_row_prefill_samples(tiny_policy, generation_cache, monkeypatch):
+    """A rollout prefills each group's prompt once and copies its cache to the group's G rows (prefilled_cache), once
+    for the whole group: from one seed it samples the completions that prefilling every row samples, with the same mu
+    to rounding (the prefill batch is smaller)."""
+    prefills = []
+    original = dppo.prefilled_cache
+    monkeypatch.setattr(
+        dppo,
+        "prefilled_cache",
+        lambda model, inputs, *a: prefills.append(len(inputs.input_ids)) or original(model, inputs, *a),
+    )
+    grouped = sample(tiny_policy, temperature=1.0, topk=5, n=12, generation_cache=generation_cache)
+    assert prefills == [12]  # called once, for 3 prompts of 4 rows each
+    monkeypatch.setattr(dppo, "prefilled_cache", lambda model, inputs, prompts, cache: cache)  # every row prefilled
+    row_by_row = sample(tiny_policy, temperature=1.0, topk=5, n=12, generation_cache=generation_cache)
+    assert torch.equal(grouped.completion_ids, row_by_row.completion_ids)
+    assert torch.equal(grouped.completion_mask, row_by_row.completion_mask)
+    real = grouped.completion_mask.bool()
+    assert (grouped.mu.logp - row_by_row.mu.logp)[real].abs().max() <= 1e-5
+    assert torch.equal(grouped.topk_ids[real], row_by_row.topk_ids[real])
+
+
+def test_the_prefill_computes_each_distinct_prompt_once(tiny_policy, monkeypatch):
+    """prefilled_cache runs the model on the distinct prompts alone (P rows, not P x G), without their last token."""
+    model, tokenizer = tiny_policy
+    prompts = [dppo.format_prompt(tokenizer, q) for q in QUESTIONS for _ in range(4)]
+    inputs = dppo.tokenize_prompts(tokenizer, prompts, model.device)
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        cache = dppo.prefilled_cache(model, inputs, prompts)
+    finally:
+        hook.remove()
+    assert seen == [(3, inputs.input_ids.shape[1] - 1)]
+    assert cache.get_seq_length() == inputs.input_ids.shape[1] - 1
+    assert cache.layers[0].keys.shape[0] == 12
+
+
+def test_generation_cache_auto_is_static_on_cuda_and_dynamic_elsewhere():
+    auto = config(generation_cache="auto")
+    assert dppo.parse_config([]).generation_cache == "auto"
+    assert dppo.uses_static_cache(auto, torch.device("cuda")) and not dppo.uses_static_cache(auto, torch.device("cpu"))
+    assert dppo.uses_static_cache(config(generation_cache="static"), torch.device("cpu"))
+    assert not dppo.uses_static_cache(config(generation_cache="dynamic"), torch.device("cuda"))
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, 10_000])  # one position, chunks that split rows, everything at once
 def test_chunked_logprobs_equal_the_full_logits_computation(tiny_policy, monkeypatch, chunk, recompute):
@@ -398,7 +447,7 @@ def test_the_plain_lines_of_the_sampling_recorders_docstring_give_what_it_record
     inputs = dppo.tokenize_prompts(tokenizer, prompts, model.device, length=64 if cache == "static" else 0)
     inputs = dict(**inputs, max_new_tokens=cfg.max_new_tokens)
     if cache == "static":
-        inputs |= dppo.static_cache(model, 64 + cfg.max_new_tokens)
+        inputs |= dict(cache=StaticCache(model.config, max_cache_len=64 + cfg.max_new_tokens))
     namespace = dict(model=model, inputs=inputs, sampling=dppo.sampling, cfg=cfg, torch=torch)
     torch.manual_seed(0)
     with torch.no_grad():

@@ -93,7 +93,7 @@ def main():
     cfg = dppo.parse_config(["--model", str(checkpoint), *flags])
     model, tokenizer = dppo.load_policy(str(checkpoint), device)
     problems = dppo.arithmetic_problems()["train"][:P]
-    cfg = dataclasses.replace(cfg, max_prompt_tokens=dppo.prompt_length_limit(cfg, tokenizer, problems))
+    cfg = dataclasses.replace(cfg, max_prompt_tokens=dppo.prompt_length_limit(cfg, tokenizer, problems, device))
     prompts = [dppo.format_prompt(tokenizer, p["question"]) for p in problems for _ in range(G)]
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -651,3 +651,19 @@ def test_the_blocked_token_record_is_the_mask_the_update_used(demo_cache, monkey
     records = figures().blocked_tokens(figures().BLOCKED_RUN + run)[0]
     assert [record["blocked"]["ppo_clip"] for record in records] == used
     assert any(map(any, used)) and not all(map(all, used))  # the clip bound some tokens, not all
+
+
+# ---------------------------------------------------------------------------- the prefill's timing
+
+
+def test_the_prefill_table_quotes_its_record():
+    """memory_and_speed.md's prefill table: every median, range and change is figures/prefill_timing_cpu.json's."""
+    record = json.loads((HERE / "figures" / "prefill_timing_cpu.json").read_text())
+    text = (HERE / "figures" / "memory_and_speed.md").read_text()
+    for shape, digits in (("smollm2", 2), ("demo", 3)):
+        case = record["shapes"][shape]
+        for side in ("before", "after"):
+            s = case[side]
+            assert f"{s['median_s']:.{digits}f} s ({s['min_s']:.{digits}f}–{s['max_s']:.{digits}f})" in text
+        assert f"−{-100 * case['median_change']:.0f}%" in text and case["same_completions"]
+        assert f"largest \\|Δ log μ\\| {case['largest_abs_dlogmu']:.1e}".replace("e-0", "e-") in text
