@@ -1,45 +1,57 @@
-"""dppo.py: RL post-training of a language model under a trust region, in one file: DPPO (Qi et al., "Rethinking
-the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is compared against.
+"""dppo.py: RL post-training of a language model under a trust region, in one file. It implements DPPO (Qi et al.,
+"Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is compared to.
 
     python dppo.py                                     # offline demo: a tiny model learns arithmetic under DPPO
     python dppo.py --objective ppo_clip                # the same under PPO's clip, the baseline
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
     torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
 
-What DPPO changes: PPO clips r = pi(a_t) / mu(a_t) to [1 - eps, 1 + eps], which lets a token's probability move by
-eps * mu(a_t), next to nothing for a rare token; DPPO bounds a divergence D(mu || pi) by delta instead, and removes a
-token's gradient only where the update moves it away from mu past delta (eq. 11's mask M, eq. 12's loss, dppo_loss):
+The names are the paper's:
+  - mu is the sampler's distribution, recorded while sampling. pi is the policy being trained.
+  - r = pi(a_t) / mu(a_t) is a token's probability ratio, and A its completion's advantage.
+  - The anchor is what the trust region measures from: mu as sampled. Under --recompute_old (the paper's ablation)
+    it is pi_old, the policy before the step's first update.
+  - B = P x G completions of at most T tokens: G completions of each of P prompts.
+  - E passes over a rollout (--ppo_epochs), U mini-batches a pass (--updates_per_step), one AdamW step each.
+  - tau is the sampling temperature, K the number of mu's most probable tokens recorded, C a cap on r, and k the age
+    of a rollout in steps (--staleness).
+
+What DPPO changes. PPO clips r to [1 - eps, 1 + eps]. The clip lets a token's probability move by eps * mu(a_t) at
+most, which is next to nothing for a rare token. DPPO bounds a divergence D between mu and pi by delta instead. It
+removes a token's gradient only where the update moves the token away from mu past delta (eq. 11's mask M, eq. 12):
     M = 0  iff  A * (r - 1) > 0  and  D > delta,        loss_t = -A * sg(r) * M * log pi(a_t),    e.g. D = |pi - mu|
-The paper argues that the clip's cuts fall mostly on rare tokens (see RARE_TOKEN_MU, where the metric is measured).
+The paper argues that the clip's cuts fall mostly on rare tokens. RARE_TOKEN_MU is where dppo.py measures that.
 
-Names, the paper's letters: mu is the sampler's distribution, recorded while sampling; pi the policy trained; the
-*anchor* what the trust region measures from: mu as sampled, or pi_old, pi before the step's first update
-(--recompute_old, the paper's ablation); C a cap on r; tau the temperature; B = P x G completions of length T; E
-passes over a rollout, U updates a pass; k a rollout's age in steps; K mu's recorded top K. The algorithm, by name:
+The algorithm, with the definition that does each part:
 
-    for step in 1 .. steps:                                                        train, rl_step
-        sample P prompts x G completions, recording log mu(a_t), mu's top K, H(mu)  sample_rewarded, SamplingRecorder
-        reward 1/0 for the right final answer                                       rewards.py
-        advantages per group of G completions                                       step_advantages, grpo_advantages
-        [--staleness k] queue them; take the rollout sampled k steps ago            rl_step, run.pending
-        the anchor is mu as sampled; [--recompute_old] pi_old, with a correction    recompute_anchor
-        E passes of U mini-batches, one AdamW step each, on                         update_policy
-          sum_t token_weights * [correction] * loss_t                               token_weights, rollout_correction
-          loss_t from log pi, the anchor and A:                                     objective_loss
-            pg_loss | ppo_clip_loss
-            | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl          dppo_divergence
-            | dcpo_loss | erc_loss | ... (the neighbours, after the training loop)
-          log pi from one teacher-forced pass, the output layer in chunks           policy_logprobs
-        every eval_every steps: greedy held-out accuracy                            evaluate
+    for step in 1 .. steps:                                                   train
+        one RL step:                                                          rl_step
+        sample P prompts x G completions, recording log mu(a_t), mu's top K   generate_rollout, SamplingRecorder
+        reward 1 for the right final answer, else 0                           score, rewards.py
+        advantages per group of G completions                                 step_advantages, grpo_advantages
+        [--staleness k] queue the rollout; train on the one sampled k ago     rl_step
+        the anchor is mu as sampled; [--recompute_old] pi_old, corrected      recompute_anchor
+        E passes of U mini-batches, one AdamW step each:                      rl_step
+          each token's weight in the mini-batch's loss                        token_weights
+          per micro-batch: log pi from one teacher-forced pass                policy_logprobs
+                           loss_t from log pi, the anchor and A               objective_loss
+                             pg_loss | ppo_clip_loss
+                             | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl
+                             | the neighbours (after the training loop)
+        every eval_every steps: greedy held-out accuracy                      evaluate
 
 Simplifications:
-  - The trust region is anchored to mu as sampled, as DPPO prescribes (top-K: mu's top-K ids); --recompute_old anchors
-    it to pi_old, the ratio staying against mu by a weight on pi_old/mu: the paper's ablation while pi_old/mu <= 2.
-  - Binary rewards; no KL penalty to a reference model, no entropy bonus, no value function.
-  - No B x T x V logits tensor: mu is recorded a step at a time, pi's output layer runs a chunk of positions at a time.
-  - On CUDA, bf16 forward passes over fp32 weights and AdamW (fp32 on CPU); log-probs, ratios and losses are fp32.
-  - torchrun: FSDP2 only; each process runs the loop on its share of a step, holding the whole model to generate.
-    No vLLM: `generate` from the policy or (--sampler_dtype) a copy in that dtype refreshed every step, as an engine's.
+  - The trust region is anchored to mu as sampled, as DPPO prescribes (top-K: mu's top-K ids). --recompute_old
+    anchors it to pi_old, and a weight on pi_old / mu keeps the ratio against mu: the paper's ablation.
+  - The rewards are binary. There is no KL penalty to a reference model, no entropy bonus and no value function.
+  - No tensor of B x T x V logits is ever made: mu is recorded a step at a time while sampling, and pi's output layer
+    runs a chunk of positions at a time.
+  - On CUDA the forward passes run in bf16 over fp32 weights, and AdamW in fp32 (all fp32 on a CPU). Log-probs,
+    ratios and losses are fp32.
+  - Under torchrun, FSDP2 shards the model. Each process runs the loop on its share of a step, and gathers the whole
+    model to generate.
+  - There is no vLLM: Hugging Face's `generate` samples from the policy, or (--sampler_dtype) from a copy in another
+    dtype refreshed every step, as an inference engine's would be.
 """
 
 import argparse
@@ -88,7 +100,7 @@ from rewards import extract_answer, extract_gold, reward
 
 # ============================================================================ config
 
-OBJECTIVES = "pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo".split()
+OBJECTIVES = "pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo ipo".split()
 
 
 def setting(default, help, choices=""):  # a Config field that is also a command-line flag; choices: "a b c"
@@ -164,6 +176,8 @@ class Config:
     cppo_delta: float = setting(0.15, "cppo: delta, the most a token's (position-weighted) |pi - mu| may move")
     cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
     cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
+    ipo_eps: float = setting(0.3, "ipo: a token is blocked when |pi - mu| > eps, whatever A and its direction")
+    ipo_kl_tau: float = setting(0.0, "ipo: tau of its KL term tau * (log r)^2 on every completion token")
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
     rollout_correction: str = setting("tis", "--recompute_old: its weight on pi_old/mu", "tis token_mis seq_mis none")
     correction_cap: float = setting(2.0, "tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
@@ -194,39 +208,83 @@ def timed(phase: str):
 # ============================================================================ one RL step
 
 
-class Step(NamedTuple):
-    """What one RL step made, this process's share of it, for train's metrics; queued (--staleness), no update yet."""
+class Sampled(NamedTuple):
+    """A rollout with its rewards and advantages (this process's share), queued until a step trains on it."""
 
     rollout: "Rollout"
-    rewards: torch.Tensor  # (B,) 0/1
+    rewards: torch.Tensor  # (B,) 1 for a right final answer, else 0
     advantages: torch.Tensor  # (B,)
-    sampled_at: int  # the step that sampled the rollout, with the policy as the previous step left it
-    update: dict = {}  # update_policy's metrics (and recompute_anchor's)
+    sampled_at: int  # the step that sampled it, with the policy as the step before it left it
 
 
-def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run", cfg: Config) -> Step:
-    """Sample G completions of each of P prompts, reward them, derive advantages, anchor the trust region, update pi.
-    --staleness k: sampled k steps ahead (step 1 samples k + 1 with pi_0, the last k steps none): ages 0, 1, .., k."""
-    while len(run.pending) <= cfg.staleness and step + len(run.pending) <= run.last_step:  # k waiting, then this one
-        run.pending.append(sample_rewarded(step + len(run.pending), step, sampler, tokenizer, problems, run, cfg))
-    rollout, rewards, advantages, sampled_at, _ = run.pending.popleft()  # the oldest: k steps old (fewer at first)
-    anchor, correction, measured = rollout.mu, torch.ones_like(rollout.completion_mask), {}  # DPPO's: mu as sampled
-    if cfg.recompute_old:  # the paper's ablation: the anchor becomes pi_old, and a weight corrects pi_old to mu
-        anchor, correction, measured = recompute_anchor(model, rollout, advantages, cfg)
-    measured |= update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)
-    return Step(rollout, rewards, advantages, sampled_at, measured)
+def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run", cfg: Config) -> dict:
+    """One RL step: sample a rollout and reward it, anchor the trust region, update pi, and return the step's metrics.
 
+    A rollout is B = P x G completions, G of each of P prompts. The update makes E passes over the rollout. Each pass
+    is shuffled into U mini-batches, and each mini-batch is one AdamW step. A mini-batch's completions go through the
+    model a micro-batch at a time, and their gradients add up. An update computes only the completions with A != 0,
+    because every loss is a multiple of A or |A|."""
+    refresh_sampler(sampler, model)  # the sampler gets pi's weights (nothing to do when the sampler is pi itself)
 
-@timed("rollout")
-def sample_rewarded(trained_at: int, step: int, sampler, tokenizer, problems, run: "Run", cfg: Config) -> Step:
-    """The rollout step trained_at trains on (its prompts, as at k = 0), sampled now, at `step`; rewards, advantages."""
-    indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, trained_at)  # that step's P prompts
-    batch = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]  # G each
-    rollout = generate_rollout(sampler, tokenizer, [format_prompt(tokenizer, p["question"]) for p in batch], cfg)
-    rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, batch)])
-    if cfg.truncated_reward == "zero":  # a cut completion earns nothing, whatever its partial text says
-        rewards[rollout.truncated.cpu()] = 0.0
-    return Step(rollout, rewards, step_advantages(rewards, indices, run.reward_history, cfg), sampled_at=step)
+    # Sample this step's rollout, recording mu. --staleness k: sample k steps ahead, so that the queue holds k + 1.
+    while len(run.queue) <= cfg.staleness and step + len(run.queue) <= run.last_step:
+        trained_at = step + len(run.queue)  # the step that will train on this rollout, and whose prompts it takes
+        with timed("rollout"):
+            indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, trained_at)
+            asked = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]
+            prompts = [format_prompt(tokenizer, problem["question"]) for problem in asked]
+            rollout = generate_rollout(sampler, tokenizer, prompts, cfg)
+            rewards = score(rollout, asked, cfg.truncated_reward)
+            advantages = step_advantages(rewards, indices, run.reward_history, cfg)
+        run.queue.append(Sampled(rollout, rewards, advantages, sampled_at=step))
+    # Train on the oldest rollout: this step's own, or with --staleness k the one sampled k steps ago.
+    sampled = run.queue.popleft()
+    rollout = sampled.rollout
+    measured = UpdateMetrics(cfg)  # the update's diagnostics, for metrics.jsonl
+
+    with timed("update"):
+        # The anchor is what the trust region measures from: mu as sampled, as DPPO prescribes.
+        anchor = rollout.mu
+        correction = torch.ones_like(rollout.completion_mask)
+        if cfg.recompute_old:  # --recompute_old, the paper's ablation: pi_old, and a weight that corrects it to mu
+            anchor, correction = recompute_anchor(model, rollout, sampled.advantages, cfg, measured)
+
+        # A completion's advantage stands on each of its tokens. --overlong_filter: completions cut at the limit get 0.
+        kept = ~rollout.truncated[:, None] if cfg.overlong_filter else torch.ones_like(rollout.truncated[:, None])
+        A = sampled.advantages.to(model.device)[:, None] * kept  # (B, 1)
+        # The tokens that the loss averages over. --skip_zero_advantage leaves out completions with A = 0.
+        counted = rollout.completion_mask * kept * ((A != 0) if cfg.skip_zero_advantage else 1)
+        moving = moves_pi(A[:, 0], cfg)  # the completions whose loss has a gradient: only these are computed
+
+        model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
+        update = 0  # the optimizer steps taken so far in this RL step
+        for epoch in range(cfg.ppo_epochs):
+            for minibatch in torch.randperm(len(A)).chunk(cfg.updates_per_step):
+                # Each token's weight in the mini-batch's loss, from the mini-batch's counts over every process.
+                counts = all_reduced(token_counts(counted[minibatch]))
+                weights = torch.zeros_like(correction)  # (B, T)
+                shares = token_weights(counted[minibatch], cfg.loss_agg, counts, cfg.max_new_tokens)
+                weights[minibatch] = shares * correction[minibatch]
+
+                optimizer.zero_grad(set_to_none=True)
+                micro_batches, left_out = rows_that_move_pi(minibatch, moving, cfg.micro_batch_size)
+                for rows in micro_batches:
+                    batch = rollout.select(rows)  # these completions, without the columns that are all padding
+                    T = batch.completion_ids.shape[1]
+                    anchored = anchor.select(rows, T)
+                    pi = policy_logprobs(model, batch, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
+                    token_loss, blocked = objective_loss(cfg, pi, anchored, A[rows], batch.completion_mask)
+                    loss = (token_loss * weights[rows, :T]).sum()
+                    loss.backward()
+                    measured.add_micro_batch(update, loss, batch, pi, anchored, A[rows], blocked)
+
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                measured.add_update(update, grad_norm, rollout, left_out)  # stops the run on a non-finite norm
+                optimizer.step()
+                update += 1
+        model.eval()  # generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
+
+    return step_metrics(step, sampled, STEP_CLOCK, model, cfg) | measured.metrics()
 
 
 # ============================================================================ rollout: sampling, recording mu
@@ -336,7 +394,16 @@ def sampling(cfg: Config) -> dict:
     return dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
-# ============================================================================ advantages
+# ============================================================================ rewards and advantages
+
+
+def score(rollout: "Rollout", problems: list[dict], truncated_reward: str = "keep") -> torch.Tensor:
+    """The reward of each completion: 1 if its final answer is its problem's, else 0 (rewards.py). With truncated_reward
+    "zero", a completion cut at the length limit gets 0, whatever its partial text says."""
+    rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)])
+    if truncated_reward == "zero":
+        rewards[rollout.truncated.cpu()] = 0.0
+    return rewards
 
 
 EQUAL_REWARDS_STD = 1e-6  # rewards this close are equal (rounding): A = 0 exactly, as every A != 0 test needs
@@ -362,50 +429,17 @@ def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: d
     return grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards)
 
 
-# ============================================================================ update
+# ============================================================================ the update's batches and token weights
 
 
-@timed("update")
-def update_policy(model, optimizer, rollout: Rollout, anchor: LogProbs, advantages, correction, cfg: Config) -> dict:
-    """E x U optimizer steps: E passes over the rollout (--ppo_epochs), each reshuffled into U mini-batches: for each
-    mini-batch its token weights; for each micro-batch of its completions with A != 0, log pi, the objective's
-    per-token loss and backward; then one clipped AdamW step. At k = 0, in the first update pi is pi_old and |pi - mu|
-    the sampler's numerics alone, so a trust region acts from the second: it needs E x U >= 2 (or k >= 1)."""
-    kept = ~rollout.truncated[:, None] if cfg.overlong_filter else torch.ones_like(rollout.truncated[:, None])
-    A = advantages.to(model.device)[:, None] * kept  # (B, 1): a completion's advantage, on each of its tokens
-    measured = UpdateMetrics(cfg)  # each update's loss and gradient norm, and what happened to each token
-    model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
-    passes = (batch for _ in range(cfg.ppo_epochs) for batch in torch.randperm(len(A)).chunk(cfg.updates_per_step))
-    for update, minibatch in enumerate(passes):  # each pass's permutation drawn as it starts
-        counted = (rollout.completion_mask * kept)[minibatch] * (A[minibatch] != 0 if cfg.skip_zero_advantage else 1)
-        counts = all_reduced(token_counts(counted))  # what the loss is averaged over: the whole mini-batch's
-        weights = torch.zeros_like(correction)  # (B, T): each of this mini-batch's tokens' share of its loss
-        weights[minibatch] = token_weights(counted, cfg.loss_agg, counts, cfg.max_new_tokens) * correction[minibatch]
-        optimizer.zero_grad(set_to_none=True)
-        micro_batches, left_out = rows_that_move_pi(minibatch, A[:, 0], cfg.micro_batch_size)
-        for rows in micro_batches:
-            sampled = rollout.select(rows)
-            anchored = anchor.select(rows, sampled.completion_ids.shape[1])  # the anchor at these completions' tokens
-            pi = policy_logprobs(model, sampled, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
-            token_loss, blocked = objective_loss(cfg, pi, anchored, A[rows], sampled.completion_mask)
-            loss = (token_loss * weights[rows, : token_loss.shape[1]]).sum()
-            loss.backward()
-            measured.add_micro_batch(update, loss, sampled, pi, anchored, A[rows], blocked)
-        measured.add_left_out(rollout, left_out)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        measured.add_grad_norm(update, grad_norm)  # a non-finite norm stops the run before this optimizer step
-        optimizer.step()
-    model.eval()  # and generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
-    return measured.metrics()
-
-
-def rows_that_move_pi(rows: torch.Tensor, A: torch.Tensor, micro_batch_size: int) -> tuple[tuple, torch.Tensor]:
-    """Micro-batches of the rows with A != 0 (every loss is a multiple of A or |A|), and the rows left out; as many as
-    the busiest process's (FSDP2's collectives), at least one (AdamW steps on zeros, not None), filled by A = 0 rows."""
-    nonzero = (A[rows] != 0).to(rows.device)
-    moving, still = rows[nonzero], rows[~nonzero]
-    micro_batches = [moving[i : i + micro_batch_size] for i in range(0, len(moving), micro_batch_size)]
-    n = max(int(all_reduced(torch.tensor(len(micro_batches), device=A.device), dist.ReduceOp.MAX)), 1)
+def rows_that_move_pi(rows: torch.Tensor, moving: torch.Tensor, micro_batch_size: int) -> tuple[list, torch.Tensor]:
+    """Micro-batches of the rows whose loss has a gradient (`moving`, from moves_pi), and the rows left out. Every
+    process makes as many micro-batches as the busiest one, because FSDP2's collectives need equal counts, and at
+    least one, so that AdamW steps on zero gradients rather than on None. Rows left out fill the extra ones."""
+    chosen = moving[rows].to(rows.device)
+    moved, still = rows[chosen], rows[~chosen]
+    micro_batches = [moved[i : i + micro_batch_size] for i in range(0, len(moved), micro_batch_size)]
+    n = max(int(all_reduced(torch.tensor(len(micro_batches), device=moving.device), dist.ReduceOp.MAX)), 1)
     filled = n - len(micro_batches)
     return micro_batches + [still[i : i + 1] for i in range(filled)], still[filled:]
 
@@ -464,6 +498,8 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
     elif cfg.objective == "cppo":
         budget = dict(w_min=cfg.cppo_w_min, delta_b_min=cfg.cppo_delta_b_min, is_cap=cfg.is_cap)
         return cppo_loss(logp, logp_anchor, A, mask, delta=cfg.cppo_delta, **budget)
+    elif cfg.objective == "ipo":
+        return ipo_loss(logp, logp_anchor, A, eps=cfg.ipo_eps, kl_tau=cfg.ipo_kl_tau)
     raise ValueError(f"unknown objective {cfg.objective!r}")
 
 
@@ -689,10 +725,9 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
         run.initial_accuracy = run.log(0, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
     accuracy = run.initial_accuracy
     for step in run.steps:
-        refresh_sampler(sampler, model)  # the sampler gets the trained weights (no-op when it is the policy)
         STEP_CLOCK.restart(model.device)  # times the step's rollout and update (see timed)
         try:
-            done = rl_step(step, model, sampler, tokenizer, optimizer, problems, run, cfg)
+            metrics = rl_step(step, model, sampler, tokenizer, optimizer, problems, run, cfg)
         except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
             save_model(model, tokenizer, run.output_dir)
             run.log(step, {"stopped_nonfinite": 1})  # a study's record of where the run broke
@@ -700,7 +735,7 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
                 f"dppo.py: stopped at step {step} ({cfg.objective}): {error}. The model before that "
                 f"optimizer step is in {run.output_dir}, metrics.jsonl up to step {step - 1} and the stop"
             )
-        metrics = run.log(step, step_metrics(step, done, STEP_CLOCK, model, cfg))  # rewards, lengths, time, update
+        run.log(step, metrics)
         if step % cfg.eval_every == 0 or step == run.last_step:
             accuracy = run.log(step, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
         run.show_progress(metrics, accuracy)
@@ -848,32 +883,53 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
     return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
 
 
+# -------- IPO (prime-rl, PrimeIntellect-ai/prime-rl, ipo_loss_fn; no paper): DPPO's binary TV without the sign
+
+
+def ipo_loss(logp, logp_anchor, advantages, eps=0.3, kl_tau=0.0):
+    """IPO, prime-rl's trust region since its pull request #3418 (2026-08). It keeps DPPO's binary-TV divergence
+    D = |pi(a_t) - anchor(a_t)| but blocks a token whatever A and whichever way it moved:
+        M = 0  iff  D > eps,        l = -A * sg(r) * M * log pi + kl_tau * (log r)^2
+    DPPO's mask keeps a token that moved away from the anchor against A's push, since its gradient pulls it back; IPO
+    blocks it too. The KL term acts on every token, blocked or not, and on completions with A = 0: its gradient with
+    respect to log pi is 2 * kl_tau * log r. prime-rl writes -A * r * M, which has the same gradient."""
+    log_r = log_ratio(logp, logp_anchor)
+    blocked = binary_tv(logp=logp, logp_anchor=logp_anchor) > eps
+    policy_gradient = -advantages * log_r.detach().exp() * (~blocked) * logp
+    return policy_gradient + kl_tau * log_r**2, blocked
+
+
+def moves_pi(A: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The completions whose loss has a gradient: those with A != 0, since every loss but IPO's KL term is a multiple
+    of A or |A|; under ipo with kl_tau > 0, every completion."""
+    return (A != 0) | (cfg.objective == "ipo" and cfg.ipo_kl_tau > 0)
+
+
 # -------- the paper's ablation: the anchor is pi_old
 
 
-@timed("update")
 @torch.no_grad()
-def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config) -> tuple[LogProbs, torch.Tensor, dict]:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update, at the tokens of the
-    completions with A != 0 as far as the objective reads it (zeros elsewhere); the loss's per-token weight is
-    rollout_correction's on pi_old / mu (0 where A = 0). Returns pi_old, that weight, and metrics over those tokens."""
+def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config, stats: "TokenStats") -> tuple:
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update. It is computed at the
+    tokens of the completions that move pi (moves_pi), as far as the objective reads it, and is zero elsewhere. The
+    loss's per-token weight becomes rollout_correction's weight on pi_old / mu (0 on the other completions). Returns
+    pi_old and that weight; the weight's statistics go to `stats`."""
     needs = objective_needs(cfg.objective)
     read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
     pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
     A = advantages.to(model.device)
-    for rows in rows_that_move_pi(torch.arange(len(A)), A, cfg.micro_batch_size)[0]:
+    for rows in rows_that_move_pi(torch.arange(len(A)), moves_pi(A, cfg), cfg.micro_batch_size)[0]:
         part = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
         for whole, x in zip(pi_old, part):
             if x is not None:
                 whole[rows, : x.shape[1]] = x
     modes = dict(mode=cfg.rollout_correction, cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
-    real = (rollout.completion_mask * (A != 0)[:, None]).bool()
+    real = (rollout.completion_mask * moves_pi(A, cfg)[:, None]).bool()
     weight, flagged = rollout_correction(pi_old.logp, rollout.mu.logp, real, **modes)
-    stats = TokenStats()
     stats.add("rollout_correction/weight", weight[real])
     stats.add("rollout_correction/flagged_frac", flagged[real].float())
     stats.add("policy/abs_old_minus_mu", (pi_old.logp.exp() - rollout.mu.logp.exp()).abs()[real])
-    return pi_old, weight, stats.metrics()
+    return pi_old, weight
 
 
 @torch.no_grad()
@@ -934,7 +990,7 @@ def main(argv=None) -> dict:
 
 class Run(contextlib.ExitStack):
     """The training loop's bookkeeping: the progress bar; what a checkpoint carries (the first accuracy, SAS's reward
-    history, the pending rollouts, the tracker's run to continue); records to metrics.jsonl and the tracker; Ctrl-C."""
+    history, the queued rollouts, the tracker's run to continue); records to metrics.jsonl and the tracker; Ctrl-C."""
 
     def __init__(self, cfg, output_dir, first_step, last_step, carried, device, started):
         super().__init__()
@@ -942,7 +998,8 @@ class Run(contextlib.ExitStack):
         self.steps = tqdm(range(first_step, last_step + 1), desc=cfg.objective, dynamic_ncols=True, disable=not rank_0)
         self.last_step, self.output_dir, self.device, self.started = last_step, output_dir, device, started
         self.initial_accuracy, self.reward_history = carried.get("initial_accuracy"), carried.get("reward_history", {})
-        self.pending, self.tracker_resume = collections.deque(carried.get("pending", [])), carried.get("tracker_resume")
+        self.queue = collections.deque(carried.get("queue", []))  # --staleness: the rollouts sampled ahead
+        self.tracker_resume = carried.get("tracker_resume")
         metrics_path = output_dir / "metrics.jsonl" if rank_0 else os.devnull
         if first_step > 1 and rank_0 and metrics_path.exists():  # resumed: what a killed run logged past its
             os.truncate(metrics_path, bytes_before(metrics_path, first_step))  # checkpoint is run, and logged, again
@@ -1016,12 +1073,22 @@ def parse_config(argv=None) -> Config:
     return cfg
 
 
+MAY_BE_INFINITE = {"is_cap", "max_grad_norm", "dual_clip", "dcpo_r_max", "correction_cap", "correction_high"}
+
+
 def check_config(cfg: Config):
     may_be_0 = "steps epochs weight_decay save_every cppo_delta_b_min eval_samples max_prompt_tokens staleness".split()
+    may_be_0 += ["ipo_kl_tau"]
     for name, value in dataclasses.asdict(cfg).items():  # every number > 0 (`not > 0` refuses NaN too); the seed any
         at_least_0 = name in may_be_0
         if type(value) in (int, float) and name != "seed" and not (value >= 0 if at_least_0 else value > 0):
             fail(f"--{name} must be {'>=' if at_least_0 else '>'} 0, got {value}")
+    for name, value in dataclasses.asdict(cfg).items():  # inf means "none" for a cap or a bound alone
+        if type(value) is float and math.isinf(value) and name not in MAY_BE_INFINITE:
+            fail(f"--{name} must be finite, got {value}")
+    for name in ("dual_clip", "dcpo_r_max"):  # bounds on the ratio above 1
+        if not getattr(cfg, name) > 1:
+            fail(f"--{name} must be > 1 (a bound on the ratio r above 1), got {getattr(cfg, name)}")
     if cfg.clip_low > 1:
         fail(f"--clip_low must be <= 1 (the ratio's lower bound is 1 - clip_low), got {cfg.clip_low}")
     if cfg.cppo_w_min > 1:
@@ -1520,15 +1587,15 @@ def save_checkpoint(run: "Run", model, tokenizer, optimizer, step: int):
     weights, optimizer_state = get_state_dict(model, optimizer, options=whole)
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     random_states = all_gathered_objects({"torch": torch.get_rng_state(), "cuda": cuda_states})  # every process's
-    # each process's pending rollouts (--staleness) as tensors and plain values: a checkpoint holds no classes
-    plain = [dict(w._asdict(), rollout=dict(vars(w.rollout), mu=w.rollout.mu._asdict())) for w in run.pending]
-    pending = all_gathered_objects(tensors_to(plain, "cpu"))
+    # each process's queued rollouts (--staleness) as tensors and plain values: a checkpoint holds no classes
+    plain = [dict(w._asdict(), rollout=dict(vars(w.rollout), mu=w.rollout.mu._asdict())) for w in run.queue]
+    queue = all_gathered_objects(tensors_to(plain, "cpu"))
     if rank_and_world()[0] == 0:
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial, state_dict=weights)
         tokenizer.save_pretrained(partial)
         carried = {name: getattr(run, name) for name in ("initial_accuracy", "reward_history", "tracker_resume")}
-        state = dict(step=step, optimizer=optimizer_state, random_states=random_states, pending=pending, **carried)
+        state = dict(step=step, optimizer=optimizer_state, random_states=random_states, queue=queue, **carried)
         torch.save(state, partial / "training_state.pt.tmp")
         (partial / "training_state.pt.tmp").rename(partial / "training_state.pt")  # last: now partial is whole
         if final.exists():
@@ -1557,9 +1624,11 @@ def restore_checkpoint(checkpoint: Path, model, optimizer) -> tuple[int, dict]:
     torch.set_rng_state(state["random_states"][rank]["torch"])
     if state["random_states"][rank]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["random_states"][rank]["cuda"])
-    plain = tensors_to(state["pending"][rank], model.device)  # this process's pending rollouts, rebuilt
-    pending = [Step(**w | {"rollout": Rollout(**w["rollout"] | {"mu": LogProbs(**w["rollout"]["mu"])})}) for w in plain]
-    return state["step"] + 1, state | {"pending": pending}
+    plain = tensors_to(state["queue"][rank], model.device)  # this process's queued rollouts, rebuilt
+    queue = [
+        Sampled(**w | {"rollout": Rollout(**w["rollout"] | {"mu": LogProbs(**w["rollout"]["mu"])})}) for w in plain
+    ]
+    return state["step"] + 1, state | {"queue": queue}
 
 
 def bytes_before(metrics: Path, step: int) -> int:
@@ -1642,7 +1711,8 @@ class TokenStats(dict):
 
 
 class UpdateMetrics(TokenStats):
-    """update_policy's: each update's loss (float64) and gradient norm, their means reported; add_token_stats'."""
+    """The update's diagnostics: each optimizer step's loss (float64) and gradient norm, whose means are reported, and
+    the token statistics of add_token_stats."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -1653,6 +1723,11 @@ class UpdateMetrics(TokenStats):
             self.losses.append(torch.zeros((), dtype=torch.float64, device=loss.device))
         self.losses[update] += loss.detach()
         add_token_stats(self, self.cfg, sampled, pi, anchor, A, blocked, first=update == 0)
+
+    def add_update(self, update: int, grad_norm: torch.Tensor, rollout: Rollout, left_out: torch.Tensor):
+        """An optimizer step's gradient norm, and the completions it left out (A = 0)."""
+        self.add_left_out(rollout, left_out)
+        self.add_grad_norm(update, grad_norm)
 
     def add_left_out(self, rollout: Rollout, rows: torch.Tensor):
         """Completions with A = 0, not computed: kept in every share of blocked tokens; counted in mu's rare share."""
@@ -1675,17 +1750,20 @@ class UpdateMetrics(TokenStats):
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, **super().metrics()}
 
 
-def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> dict:
-    """A step's metrics: its rewards, completions, times and memory peaks over every process, then update_policy's."""
-    rollout, mask = done.rollout, done.rollout.completion_mask
-    rewards, advantages = all_gathered(done.rewards), all_gathered(done.advantages)  # every process's, in prompt order
+def step_metrics(step: int, sampled: Sampled, clock: dict, model, cfg: Config) -> dict:
+    """A step's metrics over every process: its rewards, completions, times and memory peaks."""
+    rollout, mask = sampled.rollout, sampled.rollout.completion_mask
+    rewards, advantages = (
+        all_gathered(sampled.rewards),
+        all_gathered(sampled.advantages),
+    )  # every process's, in prompt order
     groups = rewards.view(-1, cfg.samples_per_prompt)
     answers = sum(extract_answer(text) is not None for text in rollout.texts)
     sums = [len(rollout.texts), answers, mask.sum(), rollout.truncated.sum(), (rollout.mu.entropy * mask).sum()]
     sums = all_reduced(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=mask.device) for x in sums]))
     completions, answers, tokens, truncated, entropy = sums.tolist()
     (rollout_s, rollout_mb), (update_s, update_mb) = clock.get("rollout", (0.0, 0.0)), clock["update"]
-    lag = {"policy/staleness_steps": step - done.sampled_at, "rollout/sampled_at_step": done.sampled_at}
+    lag = {"policy/staleness_steps": step - sampled.sampled_at, "rollout/sampled_at_step": sampled.sampled_at}
     peaks = all_reduced(mask.new_tensor([rollout_mb, update_mb], dtype=torch.float64), dist.ReduceOp.MAX)
     return {
         "reward/mean": rewards.mean().item(),
@@ -1702,7 +1780,6 @@ def step_metrics(step: int, done: "Step", clock: dict, model, cfg: Config) -> di
         "memory/rollout_peak_mb": peaks[0].item(),
         "memory/update_peak_mb": peaks[1].item(),
         **(lag if cfg.staleness else {}),
-        **done.update,
     }
 
 

@@ -1382,6 +1382,55 @@ def test_drpo_gradient_is_minus_a_r_w_as_the_reference(seed, delta):
     assert (grad[4, :3] == 0).all()
 
 
+def test_ipo_blocks_a_token_that_moved_toward_mu_past_eps_where_binary_tv_keeps_it():
+    """IPO (prime-rl's ipo_loss_fn) drops the sign condition of DPPO's mask: a token whose update pulls it back toward
+    mu, past eps, is blocked; binary_tv at delta = eps keeps it, with the gradient -A * r. A = +1, mu 0.5, pi 0.2:
+    D = 0.3 > 0.25, the update raises pi toward mu."""
+    logp, logp_mu, A = logs(0.2), logs(0.5), torch.tensor([[1.0]])
+    loss, blocked, grad = grad_of(dppo.ipo_loss, logp, logp_mu, A, eps=0.25)
+    assert blocked.tolist() == [[True]] and grad.tolist() == [[0.0]] and loss.tolist() == [[0.0]]
+    D = dppo.binary_tv(logp=logp, logp_anchor=logp_mu)
+    _, tv_blocked, tv_grad = grad_of(dppo.dppo_loss, logp, logp_mu, A, D, delta_low=0.25, delta_high=0.25)
+    assert tv_blocked.tolist() == [[False]] and near(tv_grad, [[-0.4]])  # -A * r = -0.2 / 0.5
+
+
+def test_ipo_keeps_a_token_at_exactly_eps_and_blocks_it_just_above():
+    """M = 0 iff D > eps: at D = eps the token keeps its gradient -A * r; with eps one float below D it is blocked."""
+    logp, logp_mu, A = logs(0.7), logs(0.4), torch.tensor([[-2.0]])
+    D = float(dppo.binary_tv(logp=logp, logp_anchor=logp_mu))  # 0.3, as the loss computes it
+    _, blocked, grad = grad_of(dppo.ipo_loss, logp, logp_mu, A, eps=D)
+    assert blocked.tolist() == [[False]] and near(grad, [[2.0 * 0.7 / 0.4]])
+    _, blocked, grad = grad_of(dppo.ipo_loss, logp, logp_mu, A, eps=math.nextafter(D, 0.0))
+    assert blocked.tolist() == [[True]] and grad.tolist() == [[0.0]]
+
+
+def test_ipo_with_tau_0_gives_no_gradient_where_a_is_0_and_its_kl_term_gives_2_tau_log_r():
+    """tau = 0: A = 0 means no gradient, kept or blocked. tau > 0: every token, kept, blocked or A = 0, has the KL
+    term's gradient 2 tau log r added (r = 0.6 / 0.5, 0.9 / 0.5, 0.1 / 0.5)."""
+    logp, logp_mu = logs(0.6, 0.9, 0.1), logs(0.5, 0.5, 0.5)
+    zero = torch.zeros(1, 1, dtype=torch.float64)
+    _, blocked, grad = grad_of(dppo.ipo_loss, logp, logp_mu, zero, eps=0.3, kl_tau=0.0)
+    assert blocked.tolist() == [[False, True, True]] and grad.tolist() == [[0.0, 0.0, 0.0]]
+    tau, r = 0.05, torch.tensor([[1.2, 1.8, 0.2]], dtype=torch.float64)
+    _, _, grad = grad_of(dppo.ipo_loss, logp, logp_mu, zero, eps=0.3, kl_tau=tau)
+    assert near(grad, 2 * tau * r.log())
+    A = torch.tensor([[1.0]], dtype=torch.float64)
+    _, _, grad = grad_of(dppo.ipo_loss, logp, logp_mu, A, eps=0.3, kl_tau=tau)
+    assert near(grad, -A * r * torch.tensor([[1.0, 0.0, 0.0]]) + 2 * tau * r.log())  # the kept token's -A r too
+
+
+@pytest.mark.parametrize("kl_tau", [0.0, 0.1])
+def test_ipo_with_tau_above_0_computes_the_completions_whose_a_is_0(tiny_policy, kl_tau):
+    """The update computes only the completions that move pi (moves_pi): under ipo with tau > 0 that is every one,
+    so a rollout whose A = 0 everywhere still changes pi; with tau = 0 it leaves pi as it was."""
+    model, _ = tiny_policy
+    rollout, _ = hand_built_rollout(model.config.vocab_size)
+    cfg = config(objective="ipo", ipo_kl_tau=kl_tau, updates_per_step=1, max_grad_norm=math.inf)
+    grad, metrics = gradient(model, rollout, torch.zeros(len(rollout.texts)), cfg)
+    assert (grad.abs().sum() > 0) == (kl_tau > 0)
+    assert metrics["loss"] > 0 if kl_tau else metrics["loss"] == 0
+
+
 def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
     # One completion, T = 5, A = 1, mu = 0.5, pi = 0.64, 0.60, 0.45, 0.50, 0.52; delta 0.15, w_min 0.8, delta_b_min 0.02
     #   D = 0.14, 0.10, 0.05 (back toward mu: pi < mu), 0 (pi = mu), 0.02
@@ -1719,7 +1768,7 @@ def test_readme_snippet_topk_tv_from_sampling_to_gradient_runs_as_written():
 # deltas 0.3 / 0.1 (TV) or 0.12 / 0.03 (KL); the defaults are 0.2 / 0.28 (cispo 1 / 4, gspo 3e-4 / 4e-4), 10, 10,
 # 0.05 / 0.05, inf, 0.15 or 0.05. Each row is a completion of one token, so GSPO's sequence ratio s is the token's r.
 ASYMMETRIC_FLAGS = """--clip_low 0.1 --clip_high 0.3 --dual_clip 5 --dcpo_r_max 3 --erc_beta_low 0.1
-    --erc_beta_high 0.02 --is_cap 2.5 --drpo_delta 0.5 --cppo_delta 0.2""".split()
+    --erc_beta_high 0.02 --is_cap 2.5 --drpo_delta 0.5 --cppo_delta 0.2 --ipo_eps 0.2 --ipo_kl_tau 0.1""".split()
 ASYMMETRIC_DELTAS = {"tv": "--delta_low 0.3 --delta_high 0.1", "kl": "--delta_low 0.12 --delta_high 0.03"}
 
 
@@ -1782,6 +1831,15 @@ DISPATCH_CASES = {
         (+1.0, 0.5, 0.72, None, 0.0, True),  # D 0.22 > 0.2
         (-1.0, 0.5, 0.32, None, 0.64, False),  # D 0.18 <= 0.2
         (-1.0, 0.2, 0.6, None, 2.5, False),  # back toward mu, never blocked; r 3, weight min(3, C) = 2.5
+    ],
+    # eps 0.2 (default 0.3), tau 0.1 (default 0); loss -A r M log pi + tau (log r)^2, gradient -A r M + 2 tau log r
+    "ipo": [
+        (+1.0, 0.5, 0.68, 0.533956, -1.298503, False),  # D 0.18 <= 0.2; r 1.36 (no cap C: 2.5 would not bind)
+        (+1.0, 0.5, 0.75, 0.016440, 0.081093, True),  # D 0.25 > 0.2 (default 0.3: kept): the KL term alone
+        (+1.0, 0.5, 0.25, 0.048045, -0.138629, True),  # D 0.25, moved down while A pushes up: binary_tv keeps it
+        (-1.0, 0.5, 0.32, -0.709321, 0.550743, False),  # D 0.18 <= 0.2
+        (-1.0, 0.5, 0.75, 0.016440, 0.081093, True),  # D 0.25, moved up while A pushes down: binary_tv keeps it
+        (0.0, 0.5, 0.75, 0.016440, 0.081093, True),  # A = 0: the KL term still has its gradient
     ],
     # DPPO: mu's second top-K token 0.3; the last row of each moves back toward mu (never blocked) with r = 3: weight C.
     # In brackets, what the other family's divergence (binary for top-K, top-K for binary) or the reverse KL gives.
@@ -1975,12 +2033,18 @@ def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
 
 
 def update(model, optimizer, rollout, advantages, cfg, old_model=None) -> dict:
-    """As rl_step: update_policy from mu, or under --recompute_old from pi_old (old_model's, if given) with its
-    rollout correction; the metrics of both."""
-    anchor, correction, metrics = rollout.mu, torch.ones_like(rollout.completion_mask), {}
-    if cfg.recompute_old:
-        anchor, correction, metrics = dppo.recompute_anchor(old_model or model, rollout, advantages, cfg)
-    return {**metrics, **dppo.update_policy(model, optimizer, rollout, anchor, advantages, correction, cfg)}
+    """rl_step on a rollout already queued, so that it samples none: its update from mu, or under --recompute_old
+    from pi_old (old_model's, if given) with its rollout correction. Returns the step's metrics."""
+    queued = dppo.Sampled(rollout, torch.zeros(len(advantages)), advantages, sampled_at=1)
+    run = SimpleNamespace(queue=collections.deque([queued]), last_step=1)
+    cfg = dataclasses.replace(cfg, samples_per_prompt=len(advantages))  # one group, for step_metrics' reward groups
+    real_recompute = dppo.recompute_anchor
+    try:
+        if old_model is not None:
+            dppo.recompute_anchor = lambda model, *args: real_recompute(old_model, *args)
+        return dppo.rl_step(1, model, model, None, optimizer, None, run, cfg)
+    finally:
+        dppo.recompute_anchor = real_recompute
 
 
 def gradient(model, rollout, advantages, cfg, old_model=None) -> tuple[torch.Tensor, dict]:
@@ -2002,7 +2066,7 @@ def test_gradient_is_the_same_for_1_4_or_3_uneven_micro_batches(tiny_policy, obj
     rollout, advantages = hand_built_rollout(model.config.vocab_size)
     # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
     cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
-    cfg = dataclasses.replace(cfg, drpo_delta=1e-3, cppo_delta=1e-5)
+    cfg = dataclasses.replace(cfg, drpo_delta=1e-3, cppo_delta=1e-5, ipo_eps=1e-5, ipo_kl_tau=0.1)
     if objective == "gspo":  # its own eps 3e-4 / 4e-4: a completion's mean ratio stays inside ppo_clip's bounds
         cfg = dataclasses.replace(cfg, clip_low=3e-4, clip_high=4e-4)
     whole, metrics = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
@@ -2060,12 +2124,8 @@ def test_truncated_reward_zero_gives_a_cut_completion_0_whatever_its_text(trunca
     rollout, _ = hand_built_rollout(300)
     texts = ["so 12. Answer: 12", "3 + 9 = 12", "3 + 9 = 13", "first 3, then 9, so 12"] * 2
     rollout = dataclasses.replace(cut_at_the_limit(rollout, [1, 3, 5, 7]), texts=texts)
-    monkeypatch.setattr(dppo, "generate_rollout", lambda *args: rollout)
-    cfg = config(prompts_per_step=2, samples_per_prompt=4, truncated_reward=truncated_reward)
-    problems = [{"question": "3 + 9?", "answer": "#### 12"}] * 2
-    run = SimpleNamespace(reward_history={})
-    step = dppo.sample_rewarded(1, 1, None, SimpleNamespace(chat_template=None), problems, run, cfg)
-    assert step.rewards.tolist() == expected * 2
+    problems = [{"question": "3 + 9?", "answer": "#### 12"}] * 8
+    assert dppo.score(rollout, problems, truncated_reward).tolist() == expected * 2
 
 
 def every_row_computed(rows, A, micro_batch_size):  # the reference: update_policy before it left out A = 0's rows
@@ -2197,7 +2257,9 @@ def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy, obje
     model = tiny_policy[0]
     rollout, A = hand_built_rollout(model.config.vocab_size)
     recorded = [x.clone() for x in rollout.mu]
-    pi_old = dppo.recompute_anchor(model, rollout, A, config(micro_batch_size=3, objective=objective))[0]
+    pi_old = dppo.recompute_anchor(
+        model, rollout, A, config(micro_batch_size=3, objective=objective), dppo.TokenStats()
+    )[0]
     full = teacher_forced_logp(model, rollout, temperature=1.0)
     m = rollout.completion_mask.bool()
     assert torch.allclose(pi_old.logp[m], full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m], atol=1e-5)
@@ -2249,7 +2311,9 @@ def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(t
     cfg = dataclasses.replace(cfg, correction_cap=math.inf, clip_low=0.1, clip_high=0.15)
     cfg = dataclasses.replace(cfg, delta_low=2e-4, delta_high=3e-4)  # D ~ 1e-6 to 1e-3
     every_row = torch.ones(len(rollout.texts))  # A != 0: pi_old on every completion
-    logp_pi_old = dppo.recompute_anchor(model, rollout, every_row, cfg)[0].logp  # the policy before the first update
+    logp_pi_old = dppo.recompute_anchor(model, rollout, every_row, cfg, dppo.TokenStats())[
+        0
+    ].logp  # the policy before the first update
     generator = torch.Generator().manual_seed(0)
     moved = copy.deepcopy(model)
     with torch.no_grad():
@@ -2605,7 +2669,8 @@ def test_staleness_2_trains_step_t_on_the_rollout_sampled_at_step_t_minus_2_by_t
     """From step 3 on, the rollout trained at step t is the one sampled in step t - 2, by the weights the policy had as
     that step began; steps 1 and 2 train on the initial policy's. No rollout is sampled for a step past the last, and
     each step's prompts are the ones it has without staleness."""
-    real_generate, real_update, sampled, trained = dppo.generate_rollout, dppo.update_policy, [], []
+    real_generate, real_step, real_metrics = dppo.generate_rollout, dppo.rl_step, dppo.step_metrics
+    sampled, begun, trained = [], [], []
 
     def weights(model):
         return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
@@ -2615,19 +2680,24 @@ def test_staleness_2_trains_step_t_on_the_rollout_sampled_at_step_t_minus_2_by_t
         sampled.append((rollout, weights(model), prompts))
         return rollout
 
-    def updating(model, optimizer, rollout, *args):
-        trained.append((rollout, weights(model)))  # the weights as the step began: its sampling comes first
-        return real_update(model, optimizer, rollout, *args)
+    def stepping(step, model, *args):
+        begun.append(weights(model))  # the weights as the step began: its sampling comes first
+        return real_step(step, model, *args)
+
+    def measuring(step, queued, *args):
+        trained.append(queued.rollout)  # the rollout the step trained on
+        return real_metrics(step, queued, *args)
 
     monkeypatch.setattr(dppo, "generate_rollout", generating)
-    monkeypatch.setattr(dppo, "update_policy", updating)
+    monkeypatch.setattr(dppo, "rl_step", stepping)
+    monkeypatch.setattr(dppo, "step_metrics", measuring)
     demo_run(demo_cache, tmp_path / "stale", "--steps 6 --staleness 2")
-    assert len(sampled) == len(trained) == 6
+    assert len(sampled) == len(trained) == len(begun) == 6
     for t in range(1, 7):
         rollout, sampling_weights, _ = sampled[t - 1]
-        assert trained[t - 1][0] is rollout
-        assert torch.equal(sampling_weights, trained[max(t - 2, 1) - 1][1]), t
-        assert torch.equal(sampling_weights, trained[t - 1][1]) == (t <= 1), t  # stale from step 2 on
+        assert trained[t - 1] is rollout
+        assert torch.equal(sampling_weights, begun[max(t - 2, 1) - 1]), t
+        assert torch.equal(sampling_weights, begun[t - 1]) == (t <= 1), t  # stale from step 2 on
     steps = step_records(tmp_path / "stale")
     assert [r["rollout/sampled_at_step"] for r in steps] == [1, 1, 1, 2, 3, 4]
     assert [r["policy/staleness_steps"] for r in steps] == [0, 1, 2, 2, 2, 2]
@@ -2748,7 +2818,7 @@ def test_a_kill_anywhere_in_a_checkpoints_save_leaves_a_whole_one_that_resume_fi
     kills = [(at, False) for at in range(len(operations) + 1)] + [(operations.index("torch.save"), True)]
     for kill_at, half_written in kills:
         out = tmp_path / f"killed-at-{kill_at}{'-half-written' if half_written else ''}"
-        run = SimpleNamespace(output_dir=out, pending=[], initial_accuracy=0.5, reward_history={}, tracker_resume=None)
+        run = SimpleNamespace(output_dir=out, queue=[], initial_accuracy=0.5, reward_history={}, tracker_resume=None)
         dppo.save_checkpoint(run, model, tokenizer, optimizer, 2)
         done = save_killed_at(kill_at, half_written, run, model, tokenizer, optimizer, monkeypatch)
         assert done == operations[:kill_at]
@@ -2796,7 +2866,7 @@ def test_a_run_killed_two_steps_past_its_checkpoint_resumes_to_the_uninterrupted
     with (tmp_path / "killed" / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"step": 6, "reward/me')
     state = torch.load(tmp_path / "killed" / "checkpoint" / "training_state.pt", weights_only=True)
-    assert [waiting["sampled_at"] for waiting in state["pending"][0]] == ([2, 3] if reuse else [])
+    assert [waiting["sampled_at"] for waiting in state["queue"][0]] == ([2, 3] if reuse else [])
     resumed = run(tmp_path / "killed", HERE / "dppo.py", "--resume", str(tmp_path / "killed"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     whole, killed = records(tmp_path / "whole"), records(tmp_path / "killed")
@@ -3587,6 +3657,15 @@ def one_line_exit_2(argv, capsys) -> str:
         (["--ppo_epochs", "1.5"], "invalid int value: '1.5'"),
         (["--staleness", "-1"], "--staleness must be >= 0, got -1"),
         (["--staleness", "two"], "invalid int value: 'two'"),
+        (["--objective", "ipo", "--ipo_eps", "0"], "--ipo_eps must be > 0"),
+        (["--objective", "ipo", "--ipo_eps", "-0.1"], "--ipo_eps must be > 0"),
+        (["--objective", "ipo", "--ipo_eps", "nan"], "--ipo_eps must be > 0"),
+        (["--objective", "ipo", "--ipo_eps", "inf"], "--ipo_eps must be finite"),
+        (["--objective", "ipo", "--ipo_kl_tau", "-0.001"], "--ipo_kl_tau must be >= 0"),
+        (["--objective", "ipo", "--ipo_kl_tau", "inf"], "--ipo_kl_tau must be finite"),
+        (["--learning_rate", "inf"], "--learning_rate must be finite"),
+        (["--dual_clip", "0.5"], "--dual_clip must be > 1"),
+        (["--dcpo_r_max", "0.5"], "--dcpo_r_max must be > 1"),
     ],
 )
 def test_bad_settings_fail_in_one_line_before_anything_is_loaded(flags, says, capsys, monkeypatch):
@@ -4015,11 +4094,10 @@ def stale_updates(checkpoint) -> tuple[dict, list[int]]:
         problems = [{"question": "?", "answer": "#### 1"}] * 2
         cfg = config(objective="binary_tv", prompts_per_step=2, samples_per_prompt=4, updates_per_step=1)
         cfg = dataclasses.replace(cfg, micro_batch_size=2, staleness=1, max_grad_norm=1e9)
-        run = SimpleNamespace(pending=collections.deque(), last_step=3, reward_history={})
+        run = SimpleNamespace(queue=collections.deque(), last_step=3, reward_history={})
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        sampled_at = [
-            dppo.rl_step(t, model, model, tokenizer, optimizer, problems, run, cfg).sampled_at for t in (1, 2, 3)
-        ]
+        steps = [dppo.rl_step(t, model, model, tokenizer, optimizer, problems, run, cfg) for t in (1, 2, 3)]
+        sampled_at = [metrics["rollout/sampled_at_step"] for metrics in steps]
     finally:
         dppo.generate_rollout = real_generate
     whole = dppo.StateDictOptions(full_state_dict=True, cpu_offload=True)
