@@ -226,13 +226,13 @@ def commit_in(main: Path, paths: list[str], message: str):
         time.sleep(3)
 
 
-def set_aside(seed: int, kinds: set[tuple], main: Path | None):
+def set_aside(seed: int, kinds: set[tuple], main: Path | None, directory: Path = BY_SEED, arms=ARMS):
     """Moves a seed's records of another kind to set_aside/seed<N>-<kind>/, here and in main, where no reading looks."""
     label = "-".join(part.replace(" ", "_") for part in sorted(kinds)[0])
-    shelf = BY_SEED / "set_aside" / f"seed{seed}-{label}"
+    shelf = directory / "set_aside" / f"seed{seed}-{label}"
     moved = []
-    for arm in ARMS:
-        record = BY_SEED / f"{arm}-seed{seed}"
+    for arm in arms:
+        record = directory / f"{arm}-seed{seed}"
         for root in [Path(".")] + ([main] if main is not None else []):
             if (root / record).exists():
                 (root / shelf).mkdir(parents=True, exist_ok=True)
@@ -240,7 +240,7 @@ def set_aside(seed: int, kinds: set[tuple], main: Path | None):
                 moved.append(str(record))
     print(f"== seed {seed} held runs of {' | '.join(map(', '.join, sorted(kinds)))}: set aside in {shelf}", flush=True)
     if main is not None and moved:
-        message = f"Reuse study {BY_SEED}: seed {seed}'s records of another CPU kind set aside in {shelf}"
+        message = f"Reuse study {directory}: seed {seed}'s records of another CPU kind set aside in {shelf}"
         commit_in(main, sorted(set(moved)) + [str(shelf)], message)
 
 
@@ -268,12 +268,39 @@ def by_seed(main: Path | None):
     print("== the study is complete: report it with the readings in its pre-registration")
 
 
+IPO_DEMO = Path("figures/ipo_reuse_demo")
+IPO_ARMS = {  # name: dppo.py's flags, after reuse_demo's E = 8 (--ppo_epochs 8) and the demo's defaults
+    "pg": "--objective pg",
+    "binary_tv": "--objective binary_tv --delta_low 0.15 --delta_high 0.15",
+    "ipo_0.15": "--objective ipo --ipo_eps 0.15",
+    "ipo_0.3": "--objective ipo --ipo_eps 0.3",
+}
+IPO_SEEDS = range(10)
+
+
+def ipo(main: Path | None):
+    """IPO against DPPO's mask under reuse on the demo model, as figures/ipo_reuse_demo/preregistration.md registers
+    it. A seed's four arms run on one kind of CPU, and seeds run in order. A seed whose records hold another kind is
+    set aside and starts over."""
+    here = tuple(study.machine()[key] for key in KIND)
+    variants = [option for name, flags in IPO_ARMS.items() for option in ("--variant", name, flags)]
+    for seed in IPO_SEEDS:
+        records = [IPO_DEMO / f"{arm}-seed{seed}" for arm in IPO_ARMS]
+        kinds = {kind_of(record) for record in records if (record / "provenance.json").exists()}
+        if kinds - {here}:
+            set_aside(seed, kinds - {here}, main, IPO_DEMO, IPO_ARMS)
+        print(f"== seed {seed} on {', '.join(here)}", flush=True)
+        for arm in IPO_ARMS:
+            broke(IPO_DEMO, arm, seed, variants, ["--ppo_epochs", "8"], main)
+    print("== the study is complete: report it with the readings in its pre-registration")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=("1", "2", "replication", "by_seed"), required=True)
+    parser.add_argument("--stage", choices=("1", "2", "replication", "by_seed", "ipo"), required=True)
     parser.add_argument("--main", type=Path, help="a checkout to copy each finished record into and commit it there")
     args = parser.parse_args(argv)
-    {"1": stage_1, "2": stage_2, "replication": replication, "by_seed": by_seed}[args.stage](args.main)
+    {"1": stage_1, "2": stage_2, "replication": replication, "by_seed": by_seed, "ipo": ipo}[args.stage](args.main)
 
 
 if __name__ == "__main__":
