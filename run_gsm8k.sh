@@ -7,7 +7,7 @@
 # run asked for is refused in one line naming the flag and the record's directory: never skipped, never overwritten.
 # A run that stops on a non-finite loss is finished as a record marked with its step; the study goes on.
 #
-#   bash run_gsm8k.sh                                            # GSM8K, all twelve objectives, Qwen2.5-0.5B-Instruct, one GPU
+#   bash run_gsm8k.sh                                            # GSM8K, all thirteen objectives, Qwen2.5-0.5B-Instruct, one GPU
 #   bash run_gsm8k.sh --objectives "ppo_clip topk_tv" --steps 50 --model Qwen/Qwen2.5-1.5B-Instruct
 #   bash run_gsm8k.sh --models "Qwen/Qwen2.5-0.5B-Instruct Qwen/Qwen2.5-1.5B-Instruct" --seeds "0 1 2"  # a study each
 #   bash run_gsm8k.sh --dataset path/to/gsm8k                    # a local copy (JSONL files or save_to_disk)
@@ -20,7 +20,7 @@
 #   bash run_gsm8k.sh --help                                     # this text
 #
 # Options: --model M (default Qwen/Qwen2.5-0.5B-Instruct), --models "M1 M2 ..." (a study per model, each under
-# <out>/<model's last name>/), --dataset D (default gsm8k), --objectives "A B ..." (default all twelve), --seeds "0 1 ..."
+# <out>/<model's last name>/), --dataset D (default gsm8k), --objectives "A B ..." (default all thirteen), --seeds "0 1 ..."
 # (default 0), --steps N (on GSM8K default 100), --eval_every N (on GSM8K default steps/5: 6 evaluations), --eval_n N,
 # --save_every N (default 10: a checkpoint every N steps, for resuming), --out DIR,
 # --variant NAME "FLAGS" (a name in --objectives that runs dppo.py with FLAGS; repeatable), --pair "A B" (the report's
@@ -42,7 +42,7 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # so the inline Python bel
 
 model=Qwen/Qwen2.5-0.5B-Instruct
 dataset=gsm8k
-objectives="pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo"
+objectives="pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo ipo"
 seeds=0
 steps=
 eval_n=

@@ -20,7 +20,6 @@ import base64
 import collections
 import contextlib
 import copy
-import ctypes
 import dataclasses
 import functools
 import gc
@@ -33,7 +32,6 @@ import re
 import shutil
 import signal
 import sqlite3
-import statistics
 import struct
 import subprocess
 import sys
@@ -662,11 +660,406 @@ def test_epochs_revisit_every_prompt():
     assert seen[:8] != seen[8:]  # each pass in its own order
 
 
+# ------------------------------- one RL step: rewards, token weights, micro-batches, the rows it computes, the sampler
+
+
+# Completions of 2 and 3 tokens, max_new_tokens 4. Dr. GRPO's seq_sum_norm: each token 1 / 4 (the constant) / 2
+# (completions). A row of zeros (--skip_zero_advantage) weighs 0, and the others weigh as if it were absent.
+TOKEN_WEIGHTS_BY_HAND = {
+    "token_mean": [[1 / 5] * 2, [1 / 5] * 3],
+    "seq_mean_token_mean": [[1 / 4] * 2, [1 / 6] * 3],
+    "seq_sum": [[1 / 2] * 2, [1 / 2] * 3],
+    "seq_sum_norm": [[1 / 8] * 2, [1 / 8] * 3],
+}
+
+
+@pytest.mark.parametrize("loss_agg", list(TOKEN_WEIGHTS_BY_HAND))
+def test_token_weights_by_hand_leave_a_zero_row_out_of_every_count(loss_agg):
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]])
+    short, long = TOKEN_WEIGHTS_BY_HAND[loss_agg]
+    expected = torch.tensor([short + [0.0], [0.0] * 3, long])
+    assert torch.allclose(dppo.token_weights(mask, loss_agg, max_new_tokens=4), expected)
+    assert torch.equal(dppo.token_weights(mask[[0, 2]], loss_agg, max_new_tokens=4), expected[[0, 2]])
+
+
+def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
+    """8 completions of different lengths after left-padded prompts of different lengths, with a
+    made-up mu near uniform, so that some ratios leave every trust region."""
+    g = torch.Generator().manual_seed(seed)
+    B, Lp, T, K = 8, 5, 6, 3
+    prompt_mask = (torch.arange(Lp) >= torch.tensor([0, 2, 1, 3, 0, 4, 2, 1])[:, None]).long()
+    completion_mask = (torch.arange(T) < torch.tensor([6, 3, 1, 5, 2, 6, 4, 3])[:, None]).float()
+    completion_ids = torch.randint(2, vocab_size, (B, T), generator=g)
+    topk_ids = torch.randint(2, vocab_size, (B, T, K), generator=g)
+    topk_ids[..., -1] = completion_ids
+    logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g)
+    prompt_ids = torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask
+    topk_logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g)
+    mu = dppo.LogProbs(logp_mu, topk_logp_mu, math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
+    uncut = torch.zeros(B, dtype=torch.bool)
+    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B, uncut)
+    return rollout, torch.randn(B, generator=g)
+
+
+def update(model, optimizer, rollout, advantages, cfg, old_model=None) -> dict:
+    """rl_step on a rollout already queued, so that it samples none: its update from mu, or under --recompute_old
+    from pi_old (old_model's, if given) with its rollout correction. Returns the step's metrics."""
+    queued = dppo.Sampled(rollout, torch.zeros(len(advantages)), advantages, sampled_at=1)
+    run = SimpleNamespace(queue=collections.deque([queued]), last_step=1)
+    cfg = dataclasses.replace(cfg, samples_per_prompt=len(advantages))  # one group, for step_metrics' reward groups
+    real_recompute = dppo.recompute_anchor
+    try:
+        if old_model is not None:
+            dppo.recompute_anchor = lambda model, *args: real_recompute(old_model, *args)
+        return dppo.rl_step(1, model, model, None, optimizer, None, run, cfg)
+    finally:
+        dppo.recompute_anchor = real_recompute
+
+
+def gradient(model, rollout, advantages, cfg, old_model=None) -> tuple[torch.Tensor, dict]:
+    """The gradient of one mini-batch holding the whole rollout (U = 1, no clipping, lr 0), and the update's metrics."""
+    cfg = dataclasses.replace(cfg, updates_per_step=1, max_grad_norm=math.inf)
+    metrics = update(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages, cfg, old_model)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    return flat, metrics
+
+
+MICRO_BATCH_CASES = [("ppo_clip", agg) for agg in ("token_mean", "seq_mean_token_mean", "seq_sum")]
+MICRO_BATCH_CASES += [(objective, "token_mean") for objective in list(dppo.OBJECTIVES)[2:]]
+
+
+@pytest.mark.parametrize("objective, loss_agg", MICRO_BATCH_CASES)
+def test_gradient_is_the_same_for_1_4_or_3_uneven_micro_batches(tiny_policy, objective, loss_agg):
+    model = tiny_policy[0]
+    rollout, advantages = hand_built_rollout(model.config.vocab_size)
+    # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
+    cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
+    cfg = dataclasses.replace(cfg, drpo_delta=1e-3, cppo_delta=1e-5, ipo_eps=1e-5, ipo_kl_tau=0.1)
+    if objective == "gspo":  # its own eps 3e-4 / 4e-4: a completion's mean ratio stays inside ppo_clip's bounds
+        cfg = dataclasses.replace(cfg, clip_low=3e-4, clip_high=4e-4)
+    whole, metrics = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
+    split, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=2))
+    uneven, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=3))  # 3 + 3 + 2 rows
+    assert rollout.completion_mask.sum() == 30
+    # CISPO blocks nothing: its clip moves the weight (config() keeps the bounds at ppo_clip's 0.8 / 1.28 here)
+    assert metrics["cispo/clipped_frac" if objective == "cispo" else "trust_region/blocked_frac"] > 0
+    assert whole.abs().max() > 1e-4
+    assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4) and torch.allclose(whole, uneven, atol=1e-6, rtol=1e-4)
+
+
+def test_skip_zero_advantage_gives_the_gradient_without_the_zero_advantage_rows(tiny_policy):
+    # GRPO on 2 groups of 4: rewards (1, 0, 1, 1) and (1, 1, 1, 1), the second group's advantages all 0. Its rows hold
+    # 15 of the rollout's 30 tokens: counted (token_mean), they halve the gradient; skipped, they are as if absent.
+    model = tiny_policy[0]
+    rollout, _ = hand_built_rollout(model.config.vocab_size)
+    A = dppo.grpo_advantages(torch.tensor([1.0, 0, 1, 1, 1, 1, 1, 1]), 4)
+    assert (A[:4] != 0).all() and (A[4:] == 0).all()
+    cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
+    skipped, _ = gradient(model, rollout, A, dataclasses.replace(cfg, skip_zero_advantage=True))
+    without, _ = gradient(model, rollout.select(torch.arange(4)), A[:4], cfg)
+    counted, _ = gradient(model, rollout, A, cfg)
+    assert rollout.completion_mask[:4].sum() == rollout.completion_mask[4:].sum() == 15
+    assert without.abs().max() > 1e-4
+    assert torch.allclose(skipped, without, atol=1e-7, rtol=1e-4)
+    assert torch.allclose(counted, without / 2, atol=1e-7, rtol=1e-4)
+
+
+def cut_at_the_limit(rollout, rows) -> "dppo.Rollout":  # these rows reached --max_new_tokens without an EOS
+    truncated = torch.zeros(len(rollout.texts), dtype=torch.bool)
+    truncated[rows] = True
+    return dataclasses.replace(rollout, truncated=truncated)
+
+
+def test_overlong_filter_gives_the_gradient_without_the_cut_completions(tiny_policy):
+    """DAPO's overlong filtering (arXiv 2503.14476, §3.4): completions cut at the length limit give no gradient and
+    leave the normaliser, as if absent; their advantages are the group's as scored. Without the flag they count."""
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    rollout = cut_at_the_limit(rollout, [0, 5])  # the two 6-token completions: 12 of the 30 tokens
+    cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
+    filtered, metrics = gradient(model, rollout, A, dataclasses.replace(cfg, overlong_filter=True))
+    kept = torch.tensor([1, 2, 3, 4, 6, 7])
+    without, _ = gradient(model, rollout.select(kept), A[kept], cfg)
+    counted, _ = gradient(model, rollout, A, cfg)
+    assert without.abs().max() > 1e-4 and not torch.allclose(counted, without, atol=1e-6, rtol=1e-2)
+    assert torch.allclose(filtered, without, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("truncated_reward, expected", [("keep", [1.0, 1.0, 0.0, 1.0]), ("zero", [1.0, 0.0, 0.0, 0.0])])
+def test_truncated_reward_zero_gives_a_cut_completion_0_whatever_its_text(truncated_reward, expected, monkeypatch):
+    """A cut reasoning chain whose last number happens to be the answer earns 1 under keep (the default, the score
+    as it is) and 0 under zero; a completion that ended with EOS keeps its score either way."""
+    rollout, _ = hand_built_rollout(300)
+    texts = ["so 12. Answer: 12", "3 + 9 = 12", "3 + 9 = 13", "first 3, then 9, so 12"] * 2
+    rollout = dataclasses.replace(cut_at_the_limit(rollout, [1, 3, 5, 7]), texts=texts)
+    problems = [{"question": "3 + 9?", "answer": "#### 12"}] * 8
+    assert dppo.score(rollout, problems, truncated_reward).tolist() == expected * 2
+
+
+def every_row_computed(rows, moving, micro_batch_size):  # the reference: the update before it left out A = 0 rows
+    return rows.split(micro_batch_size), rows[:0]
+
+
+@pytest.mark.parametrize("case", ["mixed", "a mini-batch all A = 0", "skip_zero_advantage"])
+@pytest.mark.parametrize("objective", dppo.OBJECTIVES)
+def test_leaving_out_the_rows_with_a_zero_advantage_changes_no_weight_gradient_or_share(
+    tiny_policy, monkeypatch, objective, case
+):
+    """Two AdamW updates (U = 2) on a rollout with A = 0 on some rows, once as rl_step does it (only the rows
+    with A != 0 computed) and once with every row computed: the same gradients, weights, loss and blocked shares. In
+    "a mini-batch all A = 0" the second update has no row that moves pi: AdamW still steps, through its momentum."""
+    torch.manual_seed(0)
+    first, second = torch.randperm(8).chunk(2)  # the mini-batches rl_step will draw after the same seed
+    rollout, A = hand_built_rollout(tiny_policy[0].config.vocab_size)
+    A[second if case == "a mini-batch all A = 0" else torch.tensor([1, 4, 5])] = 0
+    cfg = config(objective=objective, updates_per_step=2, micro_batch_size=2, skip_zero_advantage=case[0] == "s")
+    results = []
+    for rows_that_move_pi in (dppo.rows_that_move_pi, every_row_computed):
+        monkeypatch.setattr(dppo, "rows_that_move_pi", rows_that_move_pi)
+        model = copy.deepcopy(tiny_policy[0])
+        torch.manual_seed(0)
+        adam = torch.optim.AdamW(model.parameters(), lr=1.0, eps=1.0)  # eps 1: a step ~ its momentum, not its sign
+        metrics = update(model, adam, rollout, A, cfg)
+        results.append((metrics, [p.grad.clone() for p in model.parameters()], list(model.parameters())))
+    (left_out, grads, weights), (every_row, expected_grads, expected_weights) = results
+    largest = max(g.abs().max() for g in expected_grads)
+    assert largest == 0 if case[0] == "a" else largest > 1e-4  # the last update's gradient: zeros, not None, or real
+    for g, expected in zip(grads, expected_grads):
+        assert torch.allclose(g, expected, atol=1e-7, rtol=1e-4)
+    for w, expected in zip(weights, expected_weights):
+        assert torch.allclose(w, expected, atol=1e-7, rtol=1e-4)
+    for name in ("loss", "grad_norm", "policy/rare_token_frac", *(k for k in every_row if "blocked_frac" in k)):
+        assert left_out[name] == pytest.approx(every_row[name], rel=1e-4, abs=1e-9), name
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
+def test_a_bf16_sampler_on_a_cpu_without_bf16_instructions_says_once_what_it_costs(tiny_policy, monkeypatch, capsys):
+    present = set(Path("/proc/cpuinfo").read_text().split())
+    for flags, says in (({"no_such_instruction"}, True), (present, False)):
+        monkeypatch.setattr(dppo, "CPU_FLAGS", {"bfloat16": flags})
+        dppo.make_sampler(tiny_policy[0], "bfloat16")
+        err = capsys.readouterr().err
+        assert err.startswith("dppo.py: this CPU has no bfloat16 instructions; torch emulates") if says else not err
+
+
+@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
+def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(tiny_checkpoint, generation_cache):
+    model, tokenizer = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"))
+    assert dppo.make_sampler(model, "policy") is model
+    sampler = dppo.make_sampler(model, "bfloat16")
+    with torch.no_grad():  # as an optimizer step would: the sampler is stale until refreshed
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    assert not all(torch.equal(s, p.bfloat16()) for s, p in zip(sampler.parameters(), model.parameters()))
+    dppo.refresh_sampler(sampler, model)
+    for s, p in zip(sampler.parameters(), model.parameters()):
+        assert s.dtype == torch.bfloat16 and torch.equal(s, p.bfloat16())
+    rollout = sample((sampler, tokenizer), temperature=1.0, topk=5, generation_cache=generation_cache)
+    m = rollout.completion_mask.bool()
+
+    def sampled_logp(policy):
+        return teacher_forced_logp(policy, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m]
+
+    from_copy, from_policy = ((rollout.mu.logp[m] - sampled_logp(policy)).abs() for policy in (sampler, model))
+    assert from_copy.max() <= 0.05  # bf16 rounding: the incremental KV-cache pass versus the teacher-forced one
+    assert from_copy.mean() < from_policy.mean() / 2  # mu is the bf16 copy's, not the fp32 policy's
+
+
+# The tiny random model's distributions are near uniform (p ~ 1/300), so |pi - mu| is small in absolute terms:
+# measured 3e-10 (fp32, the KV-cache pass versus the teacher-forced one) against 1.4e-6 (bf16).
+@pytest.mark.parametrize("sampler_dtype, low, high", [("float32", 0.0, 1e-8), ("bfloat16", 1e-7, 1e-3)])
+def test_first_update_mismatch_is_near_zero_with_an_fp32_sampler_and_not_with_bf16(
+    tiny_policy, sampler_dtype, low, high
+):
+    model, tokenizer = tiny_policy
+    rollout = sample((dppo.make_sampler(model, sampler_dtype), tokenizer), temperature=1.0, topk=5)
+    advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)  # measure only: the shared fixture must not move
+    metrics = update(model, frozen, rollout, advantages, config(updates_per_step=1, micro_batch_size=6))
+    assert low <= metrics["policy/mismatch_first_update_mean"] <= high
+    assert "policy/drift_later_updates_mean" not in metrics  # U = 1: there is no later update
+
+
+def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    logp_mu = rollout.mu.logp.clone()
+    logp_mu[::2] = math.log(0.5)  # even rows: mu(a_t) = 0.5, not rare, and far from pi (about 1/300): TV > 0.15
+    rollout = dataclasses.replace(rollout, mu=rollout.mu._replace(logp=logp_mu))
+    m = rollout.completion_mask.bool()
+    p = teacher_forced_logp(model, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1).exp()
+    q, A_t = logp_mu.exp(), A[:, None].expand_as(p)
+    rare = q < 0.15
+    assert rare[m].sum() == m[1::2].sum() and (~rare)[m].sum() == m[::2].sum()
+    clipped = ((A_t > 0) & (p / q > 1.28)) | ((A_t < 0) & ((p / q < 0.8) | (p / q > 10)))
+    tv_blocked = ((p - q).abs() > 0.15) & (((A_t > 0) & (p > q)) | ((A_t < 0) & (p < q)))
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
+    metrics = update(model, frozen, rollout, A, config(objective="ppo_clip", updates_per_step=1))
+    tokens = m.sum().item()
+    assert metrics["policy/rare_token_frac"] == pytest.approx(m[1::2].sum().item() / tokens)
+    assert metrics["trust_region/blocked_frac"] == pytest.approx(clipped[m].sum().item() / tokens)
+    assert 0 < (clipped & rare)[m].sum() < clipped[m].sum()  # the batch has rare and common clipped tokens
+    assert metrics["trust_region/blocked_rare_frac"] == pytest.approx((clipped & rare)[m].sum().item() / tokens)
+    assert 0 < (clipped & tv_blocked)[m].sum() < clipped[m].sum()
+    also_by_tv = (clipped & tv_blocked)[m].sum().item()
+    assert metrics["trust_region/blocked_also_by_tv_frac"] == pytest.approx(also_by_tv / tokens)
+    mismatch = (p - q).abs()[m]
+    assert metrics["policy/mismatch_first_update_mean"] == pytest.approx(mismatch.mean().item(), rel=1e-5)
+    assert metrics["policy/mismatch_first_update_max"] == pytest.approx(mismatch.max().item(), rel=1e-5)
+    torch.manual_seed(0)
+    first_rows = torch.randperm(8).chunk(2)[0]  # the first mini-batch rl_step will draw after the same seed
+    torch.manual_seed(0)
+    two = update(model, frozen, rollout, A, config(objective="binary_tv", updates_per_step=2, micro_batch_size=4))
+    assert "trust_region/blocked_also_by_tv_frac" not in two  # only the clip objectives are compared with TV
+    in_first = torch.isin(torch.arange(8), first_rows)
+    first, later = (p - q).abs()[m & in_first[:, None]], (p - q).abs()[m & ~in_first[:, None]]
+    assert first.mean().item() != pytest.approx(later.mean().item(), rel=1e-3)  # the two halves differ, so labels show
+    assert two["policy/mismatch_first_update_mean"] == pytest.approx(first.mean().item(), rel=1e-5)
+    assert two["policy/drift_later_updates_mean"] == pytest.approx(later.mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("objective, with_topk, with_entropy", [("ppo_clip", 0, 0), ("topk_tv", 1, 0), ("erc", 0, 1)])
+def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy, objective, with_topk, with_entropy):
+    """pi_old from a no-grad pass of the policy: log pi_old(a_t), and only what the objective reads besides (top-K
+    for the top-K divergences, the entropy for ERC); nothing is copied from mu, not even in the padding."""
+    model = tiny_policy[0]
+    rollout, A = hand_built_rollout(model.config.vocab_size)
+    recorded = [x.clone() for x in rollout.mu]
+    pi_old = dppo.recompute_anchor(
+        model, rollout, A, config(micro_batch_size=3, objective=objective), dppo.TokenStats()
+    )[0]
+    full = teacher_forced_logp(model, rollout, temperature=1.0)
+    m = rollout.completion_mask.bool()
+    assert torch.allclose(pi_old.logp[m], full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m], atol=1e-5)
+    if with_topk:
+        assert torch.allclose(pi_old.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
+    else:
+        assert pi_old.topk_logp is None
+    if with_entropy:
+        assert torch.allclose(pi_old.entropy[m], -(full.exp() * full).sum(-1)[m], atol=1e-4)
+    else:
+        assert pi_old.entropy is None
+    assert (~m).any() and (pi_old.logp[~m] != rollout.mu.logp[~m]).all()  # the padding is not mu's either
+    assert not torch.allclose(rollout.mu.logp[m], pi_old.logp[m])  # the anchor is no longer the made-up mu
+    assert all(torch.equal(a, b) for a, b in zip(recorded, rollout.mu))  # mu itself stays as recorded
+
+
+def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_from_mu(tiny_policy):
+    """With a bf16 sampler, mu differs from the fp32 policy by bf16's rounding. Under --recompute_old the trust
+    region's divergence on an on-policy update is ~0 (pi = pi_old), while the mismatch diagnostic still reads
+    |pi - mu|, and |pi_old - mu| is logged on its own; without it, the divergence is measured from mu."""
+    model, tokenizer = tiny_policy
+    rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
+    advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
+    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
+    # delta far below bf16's mismatch (~1e-6 here) and far above pi_old's from pi (the same fp32 pass): mu would block
+    cfg = config(objective="binary_tv", updates_per_step=1, micro_batch_size=6, delta_low=1e-7, delta_high=1e-7)
+    cfg = dataclasses.replace(cfg, recompute_old=True)
+    recomputed = update(model, frozen, rollout, advantages, cfg)
+    from_mu = update(model, frozen, rollout, advantages, dataclasses.replace(cfg, recompute_old=False))
+    mismatch = recomputed["policy/mismatch_first_update_mean"]
+    assert 1e-7 <= mismatch <= 1e-3  # bf16's mismatch, not 0
+    assert mismatch == pytest.approx(from_mu["policy/mismatch_first_update_mean"])
+    assert recomputed["policy/abs_old_minus_mu_mean"] == pytest.approx(mismatch, rel=1e-2)
+    assert "policy/abs_old_minus_mu_mean" not in from_mu
+    assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
+    # the loss's anchor
+    assert recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2
+
+
+@pytest.mark.parametrize("objective", ["ppo_clip", "binary_tv"])
+def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(tiny_policy, objective):
+    """--recompute_old, rollout correction tis with cap inf: the update's gradient is that of
+    sum_t token_weights * -A * sg(pi / mu) * M * log pi, with M from pi_old (MiniRL's clip mask for ppo_clip: A > 0
+    blocked iff pi/pi_old > 1 + eps_high, A < 0 iff pi/pi_old < 1 - eps_low or > c; DPPO's, D = |pi - pi_old|, for
+    binary_tv) and mu the bf16 sampler's. pi moves away from pi_old (perturbed weights, as after a first update)."""
+    model, tokenizer = tiny_policy
+    rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
+    cfg = config(objective=objective, micro_batch_size=6, recompute_old=True, rollout_correction="tis")
+    cfg = dataclasses.replace(cfg, correction_cap=math.inf, clip_low=0.1, clip_high=0.15)
+    cfg = dataclasses.replace(cfg, delta_low=2e-4, delta_high=3e-4)  # D ~ 1e-6 to 1e-3
+    every_row = torch.ones(len(rollout.texts))  # A != 0: pi_old on every completion
+    logp_pi_old = dppo.recompute_anchor(model, rollout, every_row, cfg, dppo.TokenStats())[
+        0
+    ].logp  # the policy before the first update
+    generator = torch.Generator().manual_seed(0)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator))  # pi / pi_old in [0.68, 1.47]
+    A = torch.randn(len(rollout.texts), generator=generator)
+    m, A_t = rollout.completion_mask.bool(), A[:, None]
+    logp_mu = rollout.mu.logp
+    assert 1e-4 < (logp_pi_old - logp_mu)[m].abs().max() < 1e-2  # mu != pi_old: bf16's rounding
+
+    def papers_gradient(weight_from):  # of sum_t token_weights * -A * sg(pi / weight_from) * M * log pi
+        pi = dppo.policy_logprobs(moved, rollout, 1.0).logp
+        ratio = (pi - logp_pi_old).exp().detach()
+        if objective == "ppo_clip":
+            up, down = ratio > 1 + cfg.clip_high, (ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip)
+        else:
+            D = (pi.exp() - logp_pi_old.exp()).abs().detach()
+            up, down = (pi > logp_pi_old) & (D > cfg.delta_high), (pi < logp_pi_old) & (D > cfg.delta_low)
+        blocked = ((A_t > 0) & up) | ((A_t < 0) & down)
+        weight = torch.where(m, (pi - weight_from).exp().detach(), 0.0)
+        loss = (dppo.token_weights(rollout.completion_mask, "token_mean") * -A_t * weight * ~blocked * pi).sum()
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in moved.parameters()])
+        moved.zero_grad()
+        return flat, blocked[m]
+
+    expected, blocked = papers_gradient(logp_mu)
+    assert 0 < blocked.sum() < m.sum()  # the trust region binds on some tokens, not all
+    got, metrics = gradient(moved, rollout, A, cfg, old_model=model)
+    w = (logp_pi_old - logp_mu)[m].exp()
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(w.mean().item(), rel=1e-5)
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(w.max().item(), rel=1e-5)
+    assert metrics["rollout_correction/flagged_frac"] == 0  # cap inf truncates nothing
+    assert metrics["trust_region/blocked_frac"] == pytest.approx(blocked.float().mean().item())
+    # 'none': the ratio is pi / pi_old, the importance weight against mu is lost
+    got_none, _ = gradient(moved, rollout, A, dataclasses.replace(cfg, rollout_correction="none"), old_model=model)
+    expected_none, _ = papers_gradient(logp_pi_old)
+    assert torch.allclose(got, expected, atol=1e-7, rtol=1e-4)  # measured gap 3e-8, the gradient's size 0.08
+    assert torch.allclose(got_none, expected_none, atol=1e-7, rtol=1e-4)
+    assert not torch.allclose(got, got_none, atol=1e-7, rtol=1e-4)  # measured 7e-5 apart: pi_old / mu = 1 +- 2e-3
+
+
+def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, tmp_path):
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "with-dropout")
+    config_file = checkpoint / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "attention_dropout": 0.5}))
+    model, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
+    assert model.config.attention_dropout == 0.0
+    rollout, advantages = hand_built_rollout(model.config.vocab_size)
+    cfg = config(updates_per_step=2, micro_batch_size=4)
+    update(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages, cfg)
+    assert not model.training  # back in eval mode for generate()
+    model.train()
+    twice = [dppo.policy_logprobs(model, rollout, 1.0)[0] for _ in range(2)]
+    assert torch.equal(*twice)  # with attention_dropout 0.5 left on, these would differ
+
+
+def test_gradient_checkpointing_recomputes_every_layer_and_changes_no_number(tiny_checkpoint):
+    """The gradient itself, not AdamW's step: a step is blind to a gradient scaled by a constant."""
+    rollout, advantages = hand_built_rollout(vocab_size=300)
+    gradients, layer_calls = [], []
+    for checkpointing in (False, True):
+        model, _ = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"), gradient_checkpointing=checkpointing)
+        calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the checkpointed part
+        gradients.append(gradient(model, rollout, advantages, config(objective="topk_tv", micro_batch_size=2))[0])
+        layer_calls.append(len(calls))
+    assert layer_calls == [4, 8]  # 4 micro-batches: with checkpointing, every layer runs again in backward
+    assert gradients[0].norm() > 0 and torch.allclose(*gradients, rtol=1e-5, atol=1e-8)
+
+
 # ------------------------------------------- the objectives' tests, one objective at a time; first their shared helpers
 
 
-def logs(*ps) -> torch.Tensor:  # log-probabilities of the given probabilities, one (1, T) row
-    return torch.tensor(ps, dtype=torch.float64).log()[None]
+def logs(*ps, dtype=torch.float64) -> torch.Tensor:
+    """Log-probabilities of the given probabilities as one (1, T) row, computed in float64, then in `dtype`."""
+    return torch.tensor(ps, dtype=torch.float64).log().to(dtype)[None]
 
 
 def d_loss_d_logp(loss, logp):  # d (sum of loss) / d log pi, per token
@@ -698,12 +1091,7 @@ def grad_of(loss_fn, logp, *args, **kwargs):
     """(per-token loss, blocked, d(sum of the loss)/d logp): with one token per loss term, the per-token gradient."""
     logp = logp.detach().clone().requires_grad_(True)
     loss, blocked = loss_fn(logp, *args, **kwargs)
-    loss.sum().backward()
-    return loss.detach(), blocked, logp.grad
-
-
-def log(*values):
-    return torch.tensor(values, dtype=torch.float64).log().float()
+    return loss.detach(), blocked, d_loss_d_logp(loss, logp)
 
 
 def random_batch(seed, batch=6, width=12):
@@ -1338,7 +1726,10 @@ def test_drpo_weight_crosses_zero_at_delta():
     #   D = 0.099: w = 1 - 0.99 = 0.01;   D = 0.101: w = 1 - 1.01 = -0.01 (blocked: gradient pushes back)
     #   A = 1:  grad = -r w = -(0.599 / 0.5) * 0.01 = -0.01198  and  +(0.601 / 0.5) * 0.01 = +0.01202
     #   A = -1: grad = +r w = (0.401 / 0.5) * 0.01 = 0.00802  and  -(0.399 / 0.5) * 0.01 = -0.00798
-    logp, logp_anchor = torch.stack([log(0.599, 0.601), log(0.401, 0.399)]), log(0.5, 0.5).expand(2, 2)
+    logp, logp_anchor = (
+        torch.stack([logs(0.599, 0.601, dtype=torch.float32)[0], logs(0.401, 0.399, dtype=torch.float32)[0]]),
+        logs(0.5, 0.5, dtype=torch.float32)[0].expand(2, 2),
+    )
     _, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, torch.tensor([[1.0], [-1.0]]), delta=0.1)
     assert blocked.tolist() == [[False, True], [False, True]]
     torch.testing.assert_close(grad, torch.tensor([[-0.01198, 0.01202], [0.00802, -0.00798]]), rtol=0, atol=2e-6)
@@ -1358,7 +1749,10 @@ def test_drpo_never_blocks_a_token_moving_back_toward_mu():
 
 def test_drpo_a_zero_advantage_gives_no_loss_no_gradient_and_is_not_blocked():
     """DRPO (arXiv 2606.09821, eq. 8): A = 0 gives no loss and no gradient."""
-    logp, logp_anchor = log(0.1, 0.9, 0.5).expand(2, 3), log(0.9, 0.1, 0.5).expand(2, 3)
+    logp, logp_anchor = (
+        logs(0.1, 0.9, 0.5, dtype=torch.float32)[0].expand(2, 3),
+        logs(0.9, 0.1, 0.5, dtype=torch.float32)[0].expand(2, 3),
+    )
     loss, blocked, grad = grad_of(dppo.drpo_loss, logp, logp_anchor, torch.zeros(2, 1), delta=0.1)
     assert (loss == 0).all() and (grad == 0).all() and not blocked.any()
 
@@ -1442,7 +1836,7 @@ def test_cppo_mask_by_hand_an_early_drift_spends_the_budget():
     #   t1: Z 0.14 <= 0.15 kept;  t2: Z 0.095 > 0.05 BLOCKED by the budget although Z <= delta (DPPO keeps it);
     #   t3: Z 0.045 > -0.007 but moving back: kept;  t4: r = 1, A (r - 1) = 0: kept;  t5: Z 0.016 <= 0.018 kept
     """CPPO (arXiv 2606.10968, eqs. 8-11, Algorithm 1): an early drift spends the budget of a later token."""
-    pi, mu = log(0.64, 0.60, 0.45, 0.50, 0.52)[None], log(0.5, 0.5, 0.5, 0.5, 0.5)[None]
+    pi, mu = logs(0.64, 0.60, 0.45, 0.50, 0.52, dtype=torch.float32), logs(0.5, 0.5, 0.5, 0.5, 0.5, dtype=torch.float32)
     _, blocked, grad = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 5))
     assert blocked.tolist() == [[False, True, False, False, False]]
     torch.testing.assert_close(grad, torch.tensor([[-1.28, 0.0, -0.9, -1.0, -1.04]]))  # kept: -A r = -pi / mu
@@ -1460,7 +1854,7 @@ def test_cppo_quantile_interpolates_linearly_as_unirl():
     #   lower  0.14:  c = 0.15, 0.09, 0.09, 0.13   -> t1, t2, t3 (0.10 > 0.09)
     #   higher 0.20:  c = 0.15, 0.15, 0.15, 0.15   -> t1 only
     """CPPO's delta_b (arXiv 2606.10968, eq. 22): the 0.9-quantile interpolates linearly, as UniRL's torch.quantile."""
-    pi, mu = log(0.70, 0.64, 0.60, 0.52)[None], log(0.5, 0.5, 0.5, 0.5)[None]
+    pi, mu = logs(0.70, 0.64, 0.60, 0.52, dtype=torch.float32), logs(0.5, 0.5, 0.5, 0.5, dtype=torch.float32)
     _, blocked, _ = grad_of(dppo.cppo_loss, pi, mu, torch.ones(1, 1), torch.ones(1, 4), w_min=1.0, delta_b_min=0.10)
     assert blocked.tolist() == [[True, True, False, False]]
 
@@ -1506,7 +1900,7 @@ def test_cppo_uses_each_completions_own_length_not_the_padded_width():
     #   T = 3: w = 1, 0.9, 0.8;  quantile_0.9 of 0, 0, 0.18 at 1.8: 0 + 0.8 * 0.18 = 0.144 -> delta_b = 0.04
     #   c3 = min(0.15, 0.15 + 0.04 * 1.9 - 0) = 0.15;  Z3 = 0.8 * 0.18 = 0.144 <= 0.15: kept
     #   (over the padded width, w3 = 1 - 0.2 * 2/5 = 0.92 at 6 or 0.99 at 40, and Z3 = 0.166 or 0.178 is blocked)
-    logp[0, :3] = log(0.5, 0.5, 0.68)
+    logp[0, :3] = logs(0.5, 0.5, 0.68, dtype=torch.float32)[0]
     logp_anchor[0, :3] = math.log(0.5)
     advantages[0] = 1.0
     _, blocked, grad = grad_of(dppo.cppo_loss, logp, logp_anchor, advantages, mask)
@@ -1535,7 +1929,13 @@ def test_cppo_a_one_token_completion_has_weight_one_and_an_empty_one_gives_zeros
     # T = 1: w = 1, so Z = D against delta = 0.15 (w_min = 0.8 would give 0.8 * 0.16 = 0.128 and keep it)
     # T = 2: w = 1, 0.8: the last token's Z = 0.8 * 0.18 = 0.144 <= c = min(0.15, 0.15 + delta_b * 1 - 0) = 0.15, kept
     """CPPO (arXiv 2606.10968, eq. 9): w = 1 when T = 1; a completion with no real token gives finite zeros."""
-    logp = torch.stack([log(0.66, 0.5), log(0.64, 0.5), log(0.5, 0.68)])
+    logp = torch.stack(
+        [
+            logs(0.66, 0.5, dtype=torch.float32)[0],
+            logs(0.64, 0.5, dtype=torch.float32)[0],
+            logs(0.5, 0.68, dtype=torch.float32)[0],
+        ]
+    )
     logp_anchor, mask = torch.full((3, 2), math.log(0.5)), torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
     _, blocked, _ = grad_of(dppo.cppo_loss, logp, logp_anchor, torch.ones(3, 1), mask)
     assert blocked.tolist() == [[True, False], [False, False], [False, False]]
@@ -1989,400 +2389,6 @@ def test_pi_old_anchored_loss_times_tis_has_the_gradient_of_the_papers_recompute
     assert torch.allclose(g, torch.tensor(grad, dtype=torch.float64))
     paper = -A * torch.exp(logp - logp_mu).detach() * ~blocked * logp  # -A * sg(pi / mu) * M * log pi
     assert torch.allclose(g, d_loss_d_logp(paper, logp))
-
-
-# ---------------------------------------------------------------------------- aggregation and micro-batching
-
-
-# Completions of 2 and 3 tokens, max_new_tokens 4. Dr. GRPO's seq_sum_norm: each token 1 / 4 (the constant) / 2
-# (completions). A row of zeros (--skip_zero_advantage) weighs 0, and the others weigh as if it were absent.
-TOKEN_WEIGHTS_BY_HAND = {
-    "token_mean": [[1 / 5] * 2, [1 / 5] * 3],
-    "seq_mean_token_mean": [[1 / 4] * 2, [1 / 6] * 3],
-    "seq_sum": [[1 / 2] * 2, [1 / 2] * 3],
-    "seq_sum_norm": [[1 / 8] * 2, [1 / 8] * 3],
-}
-
-
-@pytest.mark.parametrize("loss_agg", list(TOKEN_WEIGHTS_BY_HAND))
-def test_token_weights_by_hand_leave_a_zero_row_out_of_every_count(loss_agg):
-    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]])
-    short, long = TOKEN_WEIGHTS_BY_HAND[loss_agg]
-    expected = torch.tensor([short + [0.0], [0.0] * 3, long])
-    assert torch.allclose(dppo.token_weights(mask, loss_agg, max_new_tokens=4), expected)
-    assert torch.equal(dppo.token_weights(mask[[0, 2]], loss_agg, max_new_tokens=4), expected[[0, 2]])
-
-
-def hand_built_rollout(vocab_size, seed=0) -> tuple[dppo.Rollout, torch.Tensor]:
-    """8 completions of different lengths after left-padded prompts of different lengths, with a
-    made-up mu near uniform, so that some ratios leave every trust region."""
-    g = torch.Generator().manual_seed(seed)
-    B, Lp, T, K = 8, 5, 6, 3
-    prompt_mask = (torch.arange(Lp) >= torch.tensor([0, 2, 1, 3, 0, 4, 2, 1])[:, None]).long()
-    completion_mask = (torch.arange(T) < torch.tensor([6, 3, 1, 5, 2, 6, 4, 3])[:, None]).float()
-    completion_ids = torch.randint(2, vocab_size, (B, T), generator=g)
-    topk_ids = torch.randint(2, vocab_size, (B, T, K), generator=g)
-    topk_ids[..., -1] = completion_ids
-    logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, generator=g)
-    prompt_ids = torch.randint(2, vocab_size, (B, Lp), generator=g) * prompt_mask
-    topk_logp_mu = -math.log(vocab_size) + 0.3 * torch.randn(B, T, K, generator=g)
-    mu = dppo.LogProbs(logp_mu, topk_logp_mu, math.log(vocab_size) + 0.01 * torch.randn(B, T, generator=g))
-    uncut = torch.zeros(B, dtype=torch.bool)
-    rollout = dppo.Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, mu, [""] * B, uncut)
-    return rollout, torch.randn(B, generator=g)
-
-
-def update(model, optimizer, rollout, advantages, cfg, old_model=None) -> dict:
-    """rl_step on a rollout already queued, so that it samples none: its update from mu, or under --recompute_old
-    from pi_old (old_model's, if given) with its rollout correction. Returns the step's metrics."""
-    queued = dppo.Sampled(rollout, torch.zeros(len(advantages)), advantages, sampled_at=1)
-    run = SimpleNamespace(queue=collections.deque([queued]), last_step=1)
-    cfg = dataclasses.replace(cfg, samples_per_prompt=len(advantages))  # one group, for step_metrics' reward groups
-    real_recompute = dppo.recompute_anchor
-    try:
-        if old_model is not None:
-            dppo.recompute_anchor = lambda model, *args: real_recompute(old_model, *args)
-        return dppo.rl_step(1, model, model, None, optimizer, None, run, cfg)
-    finally:
-        dppo.recompute_anchor = real_recompute
-
-
-def gradient(model, rollout, advantages, cfg, old_model=None) -> tuple[torch.Tensor, dict]:
-    """The gradient of one mini-batch holding the whole rollout (U = 1, no clipping, lr 0), and the update's metrics."""
-    cfg = dataclasses.replace(cfg, updates_per_step=1, max_grad_norm=math.inf)
-    metrics = update(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages, cfg, old_model)
-    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
-    model.zero_grad()
-    return flat, metrics
-
-
-MICRO_BATCH_CASES = [("ppo_clip", agg) for agg in ("token_mean", "seq_mean_token_mean", "seq_sum")]
-MICRO_BATCH_CASES += [(objective, "token_mean") for objective in list(dppo.OBJECTIVES)[2:]]
-
-
-@pytest.mark.parametrize("objective, loss_agg", MICRO_BATCH_CASES)
-def test_gradient_is_the_same_for_1_4_or_3_uneven_micro_batches(tiny_policy, objective, loss_agg):
-    model = tiny_policy[0]
-    rollout, advantages = hand_built_rollout(model.config.vocab_size)
-    # thresholds small enough that every trust region blocks some of these tokens (mu is near uniform)
-    cfg = config(objective=objective, loss_agg=loss_agg, delta_low=1e-5, delta_high=1e-5, dcpo_r_max=1.1)
-    cfg = dataclasses.replace(cfg, drpo_delta=1e-3, cppo_delta=1e-5, ipo_eps=1e-5, ipo_kl_tau=0.1)
-    if objective == "gspo":  # its own eps 3e-4 / 4e-4: a completion's mean ratio stays inside ppo_clip's bounds
-        cfg = dataclasses.replace(cfg, clip_low=3e-4, clip_high=4e-4)
-    whole, metrics = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=8))
-    split, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=2))
-    uneven, _ = gradient(model, rollout, advantages, dataclasses.replace(cfg, micro_batch_size=3))  # 3 + 3 + 2 rows
-    assert rollout.completion_mask.sum() == 30
-    # CISPO blocks nothing: its clip moves the weight (config() keeps the bounds at ppo_clip's 0.8 / 1.28 here)
-    assert metrics["cispo/clipped_frac" if objective == "cispo" else "trust_region/blocked_frac"] > 0
-    assert whole.abs().max() > 1e-4
-    assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4) and torch.allclose(whole, uneven, atol=1e-6, rtol=1e-4)
-
-
-def test_skip_zero_advantage_gives_the_gradient_without_the_zero_advantage_rows(tiny_policy):
-    # GRPO on 2 groups of 4: rewards (1, 0, 1, 1) and (1, 1, 1, 1), the second group's advantages all 0. Its rows hold
-    # 15 of the rollout's 30 tokens: counted (token_mean), they halve the gradient; skipped, they are as if absent.
-    model = tiny_policy[0]
-    rollout, _ = hand_built_rollout(model.config.vocab_size)
-    A = dppo.grpo_advantages(torch.tensor([1.0, 0, 1, 1, 1, 1, 1, 1]), 4)
-    assert (A[:4] != 0).all() and (A[4:] == 0).all()
-    cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
-    skipped, _ = gradient(model, rollout, A, dataclasses.replace(cfg, skip_zero_advantage=True))
-    without, _ = gradient(model, rollout.select(torch.arange(4)), A[:4], cfg)
-    counted, _ = gradient(model, rollout, A, cfg)
-    assert rollout.completion_mask[:4].sum() == rollout.completion_mask[4:].sum() == 15
-    assert without.abs().max() > 1e-4
-    assert torch.allclose(skipped, without, atol=1e-7, rtol=1e-4)
-    assert torch.allclose(counted, without / 2, atol=1e-7, rtol=1e-4)
-
-
-def cut_at_the_limit(rollout, rows) -> "dppo.Rollout":  # these rows reached --max_new_tokens without an EOS
-    truncated = torch.zeros(len(rollout.texts), dtype=torch.bool)
-    truncated[rows] = True
-    return dataclasses.replace(rollout, truncated=truncated)
-
-
-def test_overlong_filter_gives_the_gradient_without_the_cut_completions(tiny_policy):
-    """DAPO's overlong filtering (arXiv 2503.14476, §3.4): completions cut at the length limit give no gradient and
-    leave the normaliser, as if absent; their advantages are the group's as scored. Without the flag they count."""
-    model = tiny_policy[0]
-    rollout, A = hand_built_rollout(model.config.vocab_size)
-    rollout = cut_at_the_limit(rollout, [0, 5])  # the two 6-token completions: 12 of the 30 tokens
-    cfg = config(objective="ppo_clip", loss_agg="token_mean", micro_batch_size=8)
-    filtered, metrics = gradient(model, rollout, A, dataclasses.replace(cfg, overlong_filter=True))
-    kept = torch.tensor([1, 2, 3, 4, 6, 7])
-    without, _ = gradient(model, rollout.select(kept), A[kept], cfg)
-    counted, _ = gradient(model, rollout, A, cfg)
-    assert without.abs().max() > 1e-4 and not torch.allclose(counted, without, atol=1e-6, rtol=1e-2)
-    assert torch.allclose(filtered, without, atol=1e-7, rtol=1e-4)
-
-
-@pytest.mark.parametrize("truncated_reward, expected", [("keep", [1.0, 1.0, 0.0, 1.0]), ("zero", [1.0, 0.0, 0.0, 0.0])])
-def test_truncated_reward_zero_gives_a_cut_completion_0_whatever_its_text(truncated_reward, expected, monkeypatch):
-    """A cut reasoning chain whose last number happens to be the answer earns 1 under keep (the default, the score
-    as it is) and 0 under zero; a completion that ended with EOS keeps its score either way."""
-    rollout, _ = hand_built_rollout(300)
-    texts = ["so 12. Answer: 12", "3 + 9 = 12", "3 + 9 = 13", "first 3, then 9, so 12"] * 2
-    rollout = dataclasses.replace(cut_at_the_limit(rollout, [1, 3, 5, 7]), texts=texts)
-    problems = [{"question": "3 + 9?", "answer": "#### 12"}] * 8
-    assert dppo.score(rollout, problems, truncated_reward).tolist() == expected * 2
-
-
-def every_row_computed(rows, A, micro_batch_size):  # the reference: update_policy before it left out A = 0's rows
-    return rows.split(micro_batch_size), rows[:0]
-
-
-@pytest.mark.parametrize("case", ["mixed", "a mini-batch all A = 0", "skip_zero_advantage"])
-@pytest.mark.parametrize("objective", dppo.OBJECTIVES)
-def test_leaving_out_the_rows_with_a_zero_advantage_changes_no_weight_gradient_or_share(
-    tiny_policy, monkeypatch, objective, case
-):
-    """Two AdamW updates (U = 2) on a rollout with A = 0 on some rows, once as update_policy does it (only the rows
-    with A != 0 computed) and once with every row computed: the same gradients, weights, loss and blocked shares. In
-    "a mini-batch all A = 0" the second update has no row that moves pi: AdamW still steps, through its momentum."""
-    torch.manual_seed(0)
-    first, second = torch.randperm(8).chunk(2)  # the mini-batches update_policy will draw after the same seed
-    rollout, A = hand_built_rollout(tiny_policy[0].config.vocab_size)
-    A[second if case == "a mini-batch all A = 0" else torch.tensor([1, 4, 5])] = 0
-    cfg = config(objective=objective, updates_per_step=2, micro_batch_size=2, skip_zero_advantage=case[0] == "s")
-    results = []
-    for rows_that_move_pi in (dppo.rows_that_move_pi, every_row_computed):
-        monkeypatch.setattr(dppo, "rows_that_move_pi", rows_that_move_pi)
-        model = copy.deepcopy(tiny_policy[0])
-        torch.manual_seed(0)
-        adam = torch.optim.AdamW(model.parameters(), lr=1.0, eps=1.0)  # eps 1: a step ~ its momentum, not its sign
-        metrics = update(model, adam, rollout, A, cfg)
-        results.append((metrics, [p.grad.clone() for p in model.parameters()], list(model.parameters())))
-    (left_out, grads, weights), (every_row, expected_grads, expected_weights) = results
-    largest = max(g.abs().max() for g in expected_grads)
-    assert largest == 0 if case[0] == "a" else largest > 1e-4  # the last update's gradient: zeros, not None, or real
-    for g, expected in zip(grads, expected_grads):
-        assert torch.allclose(g, expected, atol=1e-7, rtol=1e-4)
-    for w, expected in zip(weights, expected_weights):
-        assert torch.allclose(w, expected, atol=1e-7, rtol=1e-4)
-    for name in ("loss", "grad_norm", "policy/rare_token_frac", *(k for k in every_row if "blocked_frac" in k)):
-        assert left_out[name] == pytest.approx(every_row[name], rel=1e-4, abs=1e-9), name
-
-
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads Linux's /proc/cpuinfo")
-def test_a_bf16_sampler_on_a_cpu_without_bf16_instructions_says_once_what_it_costs(tiny_policy, monkeypatch, capsys):
-    present = set(Path("/proc/cpuinfo").read_text().split())
-    for flags, says in (({"no_such_instruction"}, True), (present, False)):
-        monkeypatch.setattr(dppo, "CPU_FLAGS", {"bfloat16": flags})
-        dppo.make_sampler(tiny_policy[0], "bfloat16")
-        err = capsys.readouterr().err
-        assert err.startswith("dppo.py: this CPU has no bfloat16 instructions; torch emulates") if says else not err
-
-
-@pytest.mark.parametrize("generation_cache", GENERATION_CACHES)
-def test_sampler_copy_gets_the_trained_weights_cast_and_mu_is_recorded_from_it(tiny_checkpoint, generation_cache):
-    model, tokenizer = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"))
-    assert dppo.make_sampler(model, "policy") is model
-    sampler = dppo.make_sampler(model, "bfloat16")
-    with torch.no_grad():  # as an optimizer step would: the sampler is stale until refreshed
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    assert not all(torch.equal(s, p.bfloat16()) for s, p in zip(sampler.parameters(), model.parameters()))
-    dppo.refresh_sampler(sampler, model)
-    for s, p in zip(sampler.parameters(), model.parameters()):
-        assert s.dtype == torch.bfloat16 and torch.equal(s, p.bfloat16())
-    rollout = sample((sampler, tokenizer), temperature=1.0, topk=5, generation_cache=generation_cache)
-    m = rollout.completion_mask.bool()
-
-    def sampled_logp(policy):
-        return teacher_forced_logp(policy, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m]
-
-    from_copy, from_policy = ((rollout.mu.logp[m] - sampled_logp(policy)).abs() for policy in (sampler, model))
-    assert from_copy.max() <= 0.05  # bf16 rounding: the incremental KV-cache pass versus the teacher-forced one
-    assert from_copy.mean() < from_policy.mean() / 2  # mu is the bf16 copy's, not the fp32 policy's
-
-
-# The tiny random model's distributions are near uniform (p ~ 1/300), so |pi - mu| is small in absolute terms:
-# measured 3e-10 (fp32, the KV-cache pass versus the teacher-forced one) against 1.4e-6 (bf16).
-@pytest.mark.parametrize("sampler_dtype, low, high", [("float32", 0.0, 1e-8), ("bfloat16", 1e-7, 1e-3)])
-def test_first_update_mismatch_is_near_zero_with_an_fp32_sampler_and_not_with_bf16(
-    tiny_policy, sampler_dtype, low, high
-):
-    model, tokenizer = tiny_policy
-    rollout = sample((dppo.make_sampler(model, sampler_dtype), tokenizer), temperature=1.0, topk=5)
-    advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
-    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)  # measure only: the shared fixture must not move
-    metrics = update(model, frozen, rollout, advantages, config(updates_per_step=1, micro_batch_size=6))
-    assert low <= metrics["policy/mismatch_first_update_mean"] <= high
-    assert "policy/drift_later_updates_mean" not in metrics  # U = 1: there is no later update
-
-
-def test_rare_token_and_tv_overlap_shares_on_a_hand_built_batch(tiny_policy):
-    model = tiny_policy[0]
-    rollout, A = hand_built_rollout(model.config.vocab_size)
-    logp_mu = rollout.mu.logp.clone()
-    logp_mu[::2] = math.log(0.5)  # even rows: mu(a_t) = 0.5, not rare, and far from pi (about 1/300): TV > 0.15
-    rollout = dataclasses.replace(rollout, mu=rollout.mu._replace(logp=logp_mu))
-    m = rollout.completion_mask.bool()
-    p = teacher_forced_logp(model, rollout, 1.0).gather(-1, rollout.completion_ids[..., None]).squeeze(-1).exp()
-    q, A_t = logp_mu.exp(), A[:, None].expand_as(p)
-    rare = q < 0.15
-    assert rare[m].sum() == m[1::2].sum() and (~rare)[m].sum() == m[::2].sum()
-    clipped = ((A_t > 0) & (p / q > 1.28)) | ((A_t < 0) & ((p / q < 0.8) | (p / q > 10)))
-    tv_blocked = ((p - q).abs() > 0.15) & (((A_t > 0) & (p > q)) | ((A_t < 0) & (p < q)))
-    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
-    metrics = update(model, frozen, rollout, A, config(objective="ppo_clip", updates_per_step=1))
-    tokens = m.sum().item()
-    assert metrics["policy/rare_token_frac"] == pytest.approx(m[1::2].sum().item() / tokens)
-    assert metrics["trust_region/blocked_frac"] == pytest.approx(clipped[m].sum().item() / tokens)
-    assert 0 < (clipped & rare)[m].sum() < clipped[m].sum()  # the batch has rare and common clipped tokens
-    assert metrics["trust_region/blocked_rare_frac"] == pytest.approx((clipped & rare)[m].sum().item() / tokens)
-    assert 0 < (clipped & tv_blocked)[m].sum() < clipped[m].sum()
-    also_by_tv = (clipped & tv_blocked)[m].sum().item()
-    assert metrics["trust_region/blocked_also_by_tv_frac"] == pytest.approx(also_by_tv / tokens)
-    mismatch = (p - q).abs()[m]
-    assert metrics["policy/mismatch_first_update_mean"] == pytest.approx(mismatch.mean().item(), rel=1e-5)
-    assert metrics["policy/mismatch_first_update_max"] == pytest.approx(mismatch.max().item(), rel=1e-5)
-    torch.manual_seed(0)
-    first_rows = torch.randperm(8).chunk(2)[0]  # the first mini-batch update_policy will draw after the same seed
-    torch.manual_seed(0)
-    two = update(model, frozen, rollout, A, config(objective="binary_tv", updates_per_step=2, micro_batch_size=4))
-    assert "trust_region/blocked_also_by_tv_frac" not in two  # only the clip objectives are compared with TV
-    in_first = torch.isin(torch.arange(8), first_rows)
-    first, later = (p - q).abs()[m & in_first[:, None]], (p - q).abs()[m & ~in_first[:, None]]
-    assert first.mean().item() != pytest.approx(later.mean().item(), rel=1e-3)  # the two halves differ, so labels show
-    assert two["policy/mismatch_first_update_mean"] == pytest.approx(first.mean().item(), rel=1e-5)
-    assert two["policy/drift_later_updates_mean"] == pytest.approx(later.mean().item(), rel=1e-5)
-
-
-@pytest.mark.parametrize("objective, with_topk, with_entropy", [("ppo_clip", 0, 0), ("topk_tv", 1, 0), ("erc", 0, 1)])
-def test_recompute_old_anchors_to_the_policy_before_the_update(tiny_policy, objective, with_topk, with_entropy):
-    """pi_old from a no-grad pass of the policy: log pi_old(a_t), and only what the objective reads besides (top-K
-    for the top-K divergences, the entropy for ERC); nothing is copied from mu, not even in the padding."""
-    model = tiny_policy[0]
-    rollout, A = hand_built_rollout(model.config.vocab_size)
-    recorded = [x.clone() for x in rollout.mu]
-    pi_old = dppo.recompute_anchor(
-        model, rollout, A, config(micro_batch_size=3, objective=objective), dppo.TokenStats()
-    )[0]
-    full = teacher_forced_logp(model, rollout, temperature=1.0)
-    m = rollout.completion_mask.bool()
-    assert torch.allclose(pi_old.logp[m], full.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)[m], atol=1e-5)
-    if with_topk:
-        assert torch.allclose(pi_old.topk_logp[m], full.gather(-1, rollout.topk_ids)[m], atol=1e-5)
-    else:
-        assert pi_old.topk_logp is None
-    if with_entropy:
-        assert torch.allclose(pi_old.entropy[m], -(full.exp() * full).sum(-1)[m], atol=1e-4)
-    else:
-        assert pi_old.entropy is None
-    assert (~m).any() and (pi_old.logp[~m] != rollout.mu.logp[~m]).all()  # the padding is not mu's either
-    assert not torch.allclose(rollout.mu.logp[m], pi_old.logp[m])  # the anchor is no longer the made-up mu
-    assert all(torch.equal(a, b) for a, b in zip(recorded, rollout.mu))  # mu itself stays as recorded
-
-
-def test_recompute_old_measures_the_trust_region_from_pi_old_and_the_mismatch_from_mu(tiny_policy):
-    """With a bf16 sampler, mu differs from the fp32 policy by bf16's rounding. Under --recompute_old the trust
-    region's divergence on an on-policy update is ~0 (pi = pi_old), while the mismatch diagnostic still reads
-    |pi - mu|, and |pi_old - mu| is logged on its own; without it, the divergence is measured from mu."""
-    model, tokenizer = tiny_policy
-    rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
-    advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))
-    frozen = torch.optim.AdamW(model.parameters(), lr=0.0)
-    # delta far below bf16's mismatch (~1e-6 here) and far above pi_old's from pi (the same fp32 pass): mu would block
-    cfg = config(objective="binary_tv", updates_per_step=1, micro_batch_size=6, delta_low=1e-7, delta_high=1e-7)
-    cfg = dataclasses.replace(cfg, recompute_old=True)
-    recomputed = update(model, frozen, rollout, advantages, cfg)
-    from_mu = update(model, frozen, rollout, advantages, dataclasses.replace(cfg, recompute_old=False))
-    mismatch = recomputed["policy/mismatch_first_update_mean"]
-    assert 1e-7 <= mismatch <= 1e-3  # bf16's mismatch, not 0
-    assert mismatch == pytest.approx(from_mu["policy/mismatch_first_update_mean"])
-    assert recomputed["policy/abs_old_minus_mu_mean"] == pytest.approx(mismatch, rel=1e-2)
-    assert "policy/abs_old_minus_mu_mean" not in from_mu
-    assert recomputed["trust_region/divergence_mean"] < 1e-3 * from_mu["trust_region/divergence_mean"]
-    # the loss's anchor
-    assert recomputed["trust_region/blocked_frac"] == 0 and from_mu["trust_region/blocked_frac"] > 0.2
-
-
-@pytest.mark.parametrize("objective", ["ppo_clip", "binary_tv"])
-def test_recompute_old_with_a_bf16_sampler_has_the_gradient_of_the_papers_form(tiny_policy, objective):
-    """--recompute_old, rollout correction tis with cap inf: the update's gradient is that of
-    sum_t token_weights * -A * sg(pi / mu) * M * log pi, with M from pi_old (MiniRL's clip mask for ppo_clip: A > 0
-    blocked iff pi/pi_old > 1 + eps_high, A < 0 iff pi/pi_old < 1 - eps_low or > c; DPPO's, D = |pi - pi_old|, for
-    binary_tv) and mu the bf16 sampler's. pi moves away from pi_old (perturbed weights, as after a first update)."""
-    model, tokenizer = tiny_policy
-    rollout = sample((dppo.make_sampler(model, "bfloat16"), tokenizer), temperature=1.0, topk=5)
-    cfg = config(objective=objective, micro_batch_size=6, recompute_old=True, rollout_correction="tis")
-    cfg = dataclasses.replace(cfg, correction_cap=math.inf, clip_low=0.1, clip_high=0.15)
-    cfg = dataclasses.replace(cfg, delta_low=2e-4, delta_high=3e-4)  # D ~ 1e-6 to 1e-3
-    every_row = torch.ones(len(rollout.texts))  # A != 0: pi_old on every completion
-    logp_pi_old = dppo.recompute_anchor(model, rollout, every_row, cfg, dppo.TokenStats())[
-        0
-    ].logp  # the policy before the first update
-    generator = torch.Generator().manual_seed(0)
-    moved = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in moved.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=generator))  # pi / pi_old in [0.68, 1.47]
-    A = torch.randn(len(rollout.texts), generator=generator)
-    m, A_t = rollout.completion_mask.bool(), A[:, None]
-    logp_mu = rollout.mu.logp
-    assert 1e-4 < (logp_pi_old - logp_mu)[m].abs().max() < 1e-2  # mu != pi_old: bf16's rounding
-
-    def papers_gradient(weight_from):  # of sum_t token_weights * -A * sg(pi / weight_from) * M * log pi
-        pi = dppo.policy_logprobs(moved, rollout, 1.0).logp
-        ratio = (pi - logp_pi_old).exp().detach()
-        if objective == "ppo_clip":
-            up, down = ratio > 1 + cfg.clip_high, (ratio < 1 - cfg.clip_low) | (ratio > cfg.dual_clip)
-        else:
-            D = (pi.exp() - logp_pi_old.exp()).abs().detach()
-            up, down = (pi > logp_pi_old) & (D > cfg.delta_high), (pi < logp_pi_old) & (D > cfg.delta_low)
-        blocked = ((A_t > 0) & up) | ((A_t < 0) & down)
-        weight = torch.where(m, (pi - weight_from).exp().detach(), 0.0)
-        loss = (dppo.token_weights(rollout.completion_mask, "token_mean") * -A_t * weight * ~blocked * pi).sum()
-        loss.backward()
-        flat = torch.cat([p.grad.flatten() for p in moved.parameters()])
-        moved.zero_grad()
-        return flat, blocked[m]
-
-    expected, blocked = papers_gradient(logp_mu)
-    assert 0 < blocked.sum() < m.sum()  # the trust region binds on some tokens, not all
-    got, metrics = gradient(moved, rollout, A, cfg, old_model=model)
-    w = (logp_pi_old - logp_mu)[m].exp()
-    assert metrics["rollout_correction/weight_mean"] == pytest.approx(w.mean().item(), rel=1e-5)
-    assert metrics["rollout_correction/weight_max"] == pytest.approx(w.max().item(), rel=1e-5)
-    assert metrics["rollout_correction/flagged_frac"] == 0  # cap inf truncates nothing
-    assert metrics["trust_region/blocked_frac"] == pytest.approx(blocked.float().mean().item())
-    # 'none': the ratio is pi / pi_old, the importance weight against mu is lost
-    got_none, _ = gradient(moved, rollout, A, dataclasses.replace(cfg, rollout_correction="none"), old_model=model)
-    expected_none, _ = papers_gradient(logp_pi_old)
-    assert torch.allclose(got, expected, atol=1e-7, rtol=1e-4)  # measured gap 3e-8, the gradient's size 0.08
-    assert torch.allclose(got_none, expected_none, atol=1e-7, rtol=1e-4)
-    assert not torch.allclose(got, got_none, atol=1e-7, rtol=1e-4)  # measured 7e-5 apart: pi_old / mu = 1 +- 2e-3
-
-
-def test_dropout_is_off_although_the_update_runs_in_train_mode(tiny_checkpoint, tmp_path):
-    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "with-dropout")
-    config_file = checkpoint / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "attention_dropout": 0.5}))
-    model, _ = dppo.load_policy(str(checkpoint), torch.device("cpu"))
-    assert model.config.attention_dropout == 0.0
-    rollout, advantages = hand_built_rollout(model.config.vocab_size)
-    cfg = config(updates_per_step=2, micro_batch_size=4)
-    update(model, torch.optim.SGD(model.parameters(), lr=0.0), rollout, advantages, cfg)
-    assert not model.training  # back in eval mode for generate()
-    model.train()
-    twice = [dppo.policy_logprobs(model, rollout, 1.0)[0] for _ in range(2)]
-    assert torch.equal(*twice)  # with attention_dropout 0.5 left on, these would differ
-
-
-def test_gradient_checkpointing_recomputes_every_layer_and_changes_no_number(tiny_checkpoint):
-    """The gradient itself, not AdamW's step: a step is blind to a gradient scaled by a constant."""
-    rollout, advantages = hand_built_rollout(vocab_size=300)
-    gradients, layer_calls = [], []
-    for checkpointing in (False, True):
-        model, _ = dppo.load_policy(str(tiny_checkpoint), torch.device("cpu"), gradient_checkpointing=checkpointing)
-        calls = []
-        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the checkpointed part
-        gradients.append(gradient(model, rollout, advantages, config(objective="topk_tv", micro_batch_size=2))[0])
-        layer_calls.append(len(calls))
-    assert layer_calls == [4, 8]  # 4 micro-batches: with checkpointing, every layer runs again in backward
-    assert gradients[0].norm() > 0 and torch.allclose(*gradients, rtol=1e-5, atol=1e-8)
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -3446,106 +3452,6 @@ def test_update_memory_bound_holds_on_a_cpu():
     assert measured <= bound <= 1.3 * measured
 
 
-# ------------------------------------------------------- bench: python test_dppo.py bench (figures/memory_and_speed.md)
-
-
-def update_phase_runner(checkpoint: str, completions=16, new_tokens=64):
-    """A function that runs one objective's update phase (2 optimizer steps) on the same sampled batch, from the
-    same weights with a fresh AdamW and the same mini-batch split every time, and returns its seconds."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = dppo.load_policy(checkpoint, device)
-    problems = dppo.arithmetic_problems()["test"][: completions // 4]
-    prompts = [dppo.format_prompt(tokenizer, p["question"]) for p in problems for _ in range(4)]
-    torch.manual_seed(0)
-    rollout = dppo.generate_rollout(model, tokenizer, prompts, config(max_new_tokens=new_tokens))
-    advantages = dppo.grpo_advantages(torch.arange(completions).remainder(3).eq(0).float(), group_size=4)
-    weights = {name: value.clone() for name, value in model.state_dict().items()}
-
-    def update_phase(objective: str) -> float:
-        model.load_state_dict(weights)
-        flags = f"--objective {objective} --updates_per_step 2 --micro_batch_size {completions // 2}"
-        cfg = dppo.parse_config(["--model", checkpoint, *flags.split(), "--learning_rate", "1e-4"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-        torch.manual_seed(1)
-        started = time.perf_counter()
-        update(model, optimizer, rollout, advantages, cfg)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
-
-    update_phase("ppo_clip")  # warm-up
-    return update_phase, device, rollout.completion_mask.sum().item()
-
-
-def objective_seconds(checkpoint: str, rounds=7) -> dict:
-    """Each round runs every objective's update phase once, in a fresh random order; an objective's figure is the
-    median over rounds of its time divided by ppo_clip's in the same round. On a CPU: one thread, and glibc keeps the
-    memory it frees, as CUDA's caching allocator does (page faults and two threads' stalls on this 2-core machine
-    moved a run's time by up to 20% from one repeat to the next, more than the differences measured here)."""
-    if not torch.cuda.is_available():
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 2**40)  # M_TRIM_THRESHOLD: never give the heap's free top back
-        libc.mallopt(-3, 2**25)  # M_MMAP_THRESHOLD: blocks up to 32 MiB (glibc's most) come from the heap
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1 if not torch.cuda.is_available() else threads)
-    try:
-        update_phase, device, tokens = update_phase_runner(checkpoint)
-        seconds, ratios, order = defaultdict(list), defaultdict(list), random.Random(0)
-        for _ in range(rounds):
-            this_round = {o: update_phase(o) for o in order.sample(dppo.OBJECTIVES, len(dppo.OBJECTIVES))}
-            for objective, t in this_round.items():
-                seconds[objective].append(t)
-                ratios[objective].append(t / this_round["ppo_clip"])
-    finally:
-        torch.set_num_threads(threads)
-    return {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu, 1 thread",
-        "tokens": tokens,
-        "seconds": {o: statistics.median(t) for o, t in seconds.items()},
-        "ratio": {o: statistics.median(r) for o, r in ratios.items()},
-        "ratio_spread": {o: (min(r), max(r)) for o, r in ratios.items()},
-    }
-
-
-def objective_peak_mib(checkpoint: str) -> dict:
-    """Each objective's update phase once, peak memory above the memory before it, in MiB: allocated tensors on CUDA; on
-    a CPU the RSS of a fresh process started with MALLOC_MMAP_THRESHOLD_ set low (see rollout_peak_memory_mib)."""
-    update_phase, device, _ = update_phase_runner(checkpoint)
-    peaks = {}
-    for objective in dppo.OBJECTIVES:
-        dppo.reset_peak_memory(device)
-        before = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else dppo.peak_memory_mb(device)
-        update_phase(objective)
-        peaks[objective] = dppo.peak_memory_mb(device) - before
-    return peaks
-
-
-def bench(checkpoint: str):
-    """The trust regions' cost, printed as a table: each objective's update phase against ppo_clip's on a tiny Qwen2
-    at Qwen's vocabulary, where the output layer's work (which the trust regions add to) is most of the step.
-    A measurement, not a test: on a shared machine its ratios move by more than the few percent they resolve."""
-    timing = objective_seconds(checkpoint)
-    if torch.cuda.is_available():
-        peaks = objective_peak_mib(checkpoint)
-    else:
-        probe = f"import json, test_dppo; print(json.dumps(test_dppo.objective_peak_mib({checkpoint!r})))"
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-        done = subprocess.run([sys.executable, "-c", probe], cwd=HERE, env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        peaks = json.loads(done.stdout.splitlines()[-1])
-    print(
-        f"update phase: {timing['tokens']:.0f} completion tokens, 2 optimizer steps; {timing['device']}\n"
-        "| objective | time | vs ppo_clip (min-max over rounds) | peak memory | vs ppo_clip |\n"
-        "|---|---|---|---|---|"
-    )
-    for objective in dppo.OBJECTIVES:
-        low, high = timing["ratio_spread"][objective]
-        print(
-            f"| {objective} | {timing['seconds'][objective]:.2f} s | {timing['ratio'][objective]:.3f}x "
-            f"({low:.2f}-{high:.2f}) | {peaks[objective]:.0f} MiB | {peaks[objective] / peaks['ppo_clip']:.2f}x |"
-        )
-
-
 # ---------------------------------------------------------------------------- datasets as users pass them
 
 
@@ -4565,10 +4471,3 @@ def test_cuda_qwen25_05b_shape_at_the_single_gpu_defaults_prints_memory_and_thro
     assert update_mb <= bound <= 1.3 * update_mb  # weights, gradients, AdamW, saved activations, kept logits
     # sampler and trainer are the same weights in the same bf16 autocast: only kernel rounding separates mu and pi
     assert step["policy/mismatch_first_update_mean"] < 1e-2
-
-
-if __name__ == "__main__":  # HF_HUB_OFFLINE=1 python test_dppo.py bench  (figures/memory_and_speed.md)
-    if sys.argv[1:] != ["bench"]:
-        sys.exit("usage: python test_dppo.py bench   (the tests run with: python -m pytest -q)")
-    with tempfile.TemporaryDirectory() as directory:
-        bench(str(write_qwen_checkpoint(Path(directory))))

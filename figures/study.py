@@ -211,8 +211,13 @@ def state(run_dir: Path, flags: list[str]) -> str:
 END = 5  # "at the end" = the mean over a run's last END steps
 
 
-def load_records(directory: Path, names: list[str], seeds: list[str]):
-    """{(name, seed): records} of the finished runs; the runs missing or unfinished; the one CPU model and commit."""
+CPU_KIND = ("cpu", "cpu_id", "cpu_capability")  # what a run's arithmetic depends on, as provenance.json records it
+
+
+def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_seed: bool = False):
+    """{(name, seed): records} of the finished runs; the runs missing or unfinished; the one CPU model and commit.
+    With kinds_by_seed, the CPU kind may differ between seeds but not within one (a seed is a stratum): the origin's
+    CPU then reads "one kind per seed", and origin["kinds"] maps each seed to its kind."""
     finished, absent = {}, []
     for name in names:
         for seed in seeds:
@@ -225,15 +230,30 @@ def load_records(directory: Path, names: list[str], seeds: list[str]):
                 provenance = json.loads((run_dir / "provenance.json").read_text())
                 records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
                 finished[name, seed] = (provenance, records)
-    keys = ("cpu", "cpu_id", "cpu_capability", "gpu", "commit")
+    keys = ("gpu", "commit") if kinds_by_seed else ("cpu", "cpu_id", "cpu_capability", "gpu", "commit")
     origins = {key: {run[0].get(key, "not recorded") for run in finished.values()} for key in keys}
+    kinds = {}
+    if kinds_by_seed:
+        for seed in seeds:
+            here = {
+                tuple(run[0].get(key, "not recorded") for key in CPU_KIND)
+                for (_, s), run in finished.items()
+                if s == seed
+            }
+            if len(here) > 1:
+                sys.exit(f"study.py: seed {seed}'s records come from {len(here)} CPU kinds: a seed holds one")
+            kinds |= {seed: next(iter(here))} if here else {}
     for key, values in origins.items():
         if len(values) > 1:
             sys.exit(
                 f"study.py: the records come from {len(values)} {key}s ({', '.join(sorted(values))}): one table "
                 f"holds one; report each {key}'s records from a directory of their own"
             )
-    return finished, absent, {key: next(iter(values), "–") for key, values in origins.items()}
+    origin = {key: next(iter(values), "–") for key, values in origins.items()}
+    if kinds_by_seed:
+        origin |= {"cpu": "one CPU kind per seed (the table of kinds)", "cpu_id": "–", "cpu_capability": "–"}
+        origin["kinds"] = kinds
+    return finished, absent, origin
 
 
 def accuracies(records) -> dict[int, float]:
@@ -353,6 +373,34 @@ def fisher_one_sided(breaks_a: int, runs_a: int, breaks_b: int, runs_b: int) -> 
     return sum(ways) / math.comb(runs, runs_b)
 
 
+def fisher_two_sided(breaks_a: int, runs_a: int, breaks_b: int, runs_b: int) -> float:
+    """Fisher's exact test, two-sided: with the margins fixed, the chance of a table no more likely than the one seen
+    (the sum of the tables' hypergeometric chances, as R's fisher.test and scipy's fisher_exact sum them)."""
+    breaks, runs = breaks_a + breaks_b, runs_a + runs_b
+
+    def chance(x: int) -> float:  # b breaks x times
+        return math.comb(breaks, x) * math.comb(runs - breaks, runs_b - x) / math.comb(runs, runs_b)
+
+    seen = chance(breaks_b)
+    tables = range(max(0, breaks - runs_a), min(runs_b, breaks) + 1)
+    return min(1.0, sum(chance(x) for x in tables if chance(x) <= seen * (1 + 1e-7)))
+
+
+def sign_test_two_sided(successes: int, n: int) -> float:
+    """The exact sign test, two-sided: twice the one-sided chance of the larger side, at most 1."""
+    return min(1.0, 2 * sign_test_one_sided(max(successes, n - successes), n)) if n else 1.0
+
+
+def discordant_seeds(finished, a: str, b: str, seeds: list[str], rule: str) -> tuple[int, int]:
+    """(on how many seeds a broke and b held, on how many b broke and a held), over the seeds with both runs."""
+    a_only = b_only = 0
+    for seed in [seed for seed in seeds if (a, seed) in finished and (b, seed) in finished]:
+        broke_a, broke_b = (broke_at(*finished[name, seed], rule) is not None for name in (a, b))
+        a_only += broke_a and not broke_b
+        b_only += broke_b and not broke_a
+    return a_only, b_only
+
+
 def sign_test_one_sided(successes: int, n: int) -> float:
     """The exact sign test, one-sided: the chance of `successes` or more of n, each with probability 1/2."""
     return sum(math.comb(n, k) for k in range(successes, n + 1)) / 2**n
@@ -395,7 +443,7 @@ def breaking(provenance: dict, records, rule: str = "first_drop") -> dict:
     }
 
 
-def breaking_table(finished, names, seeds, rule="first_drop", pairs=(), delay=False) -> list[str]:
+def breaking_table(finished, names, seeds, rule="first_drop", pairs=(), delay=False, paired=False) -> list[str]:
     """Per run, where it broke (under `rule`, or a non-finite loss) and its extremes; under sustained_drop, each pair's
     break counts and Fisher's one-sided p; with delay, on how many seeds each pair's first broke later (a sign test)."""
     columns = ["step 0", "last evaluation", "lowest", "broke at", "largest gradient norm"]
@@ -425,6 +473,27 @@ def breaking_table(finished, names, seeds, rule="first_drop", pairs=(), delay=Fa
                 counts += [sum(run["broke at"] != "none" for run in runs), len(runs)]
             p = f"p = {p_value(fisher_one_sided(*counts))}" if counts[1] and counts[3] else "no runs"
             lines.append(f"- `{a}` {counts[0]} of {counts[1]}, `{b}` {counts[2]} of {counts[3]}: {p}")
+    if rule == "sustained_drop" and pairs and paired:
+        lines += [
+            "",
+            "Per pair, the seeds where one run broke and the other held (the discordant seeds): the exact sign test's "
+            "p, one-sided (the second breaks on more of them) and two-sided; and Fisher's exact two-sided p on the "
+            "break counts:",
+            "",
+        ]
+        for a, b in pairs:
+            a_only, b_only = discordant_seeds(finished, a, b, seeds, rule)
+            n = a_only + b_only
+            counts = []
+            for name in (a, b):
+                runs = [breaking(*finished[name, seed], rule) for seed in seeds if (name, seed) in finished]
+                counts += [sum(run["broke at"] != "none" for run in runs), len(runs)]
+            one, two = p_value(sign_test_one_sided(b_only, n)), p_value(sign_test_two_sided(b_only, n))
+            fisher = p_value(fisher_two_sided(*counts)) if counts[1] and counts[3] else "no runs"
+            lines.append(
+                f"- `{a}` broke and `{b}` held on {a_only} seeds, the reverse on {b_only}: sign test p = {one} "
+                f"one-sided, {two} two-sided; Fisher two-sided p = {fisher}"
+            )
     if rule == "sustained_drop" and pairs and delay:
         lines += [
             "",
@@ -549,8 +618,10 @@ def report(
     rule="first_drop",
     gap="sign",
     delay=False,
+    paired=False,
+    kinds_by_seed=False,
 ) -> str:
-    finished, absent, origin = load_records(directory, names, seeds)
+    finished, absent, origin = load_records(directory, names, seeds, kinds_by_seed)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
     eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
     lines = [
@@ -615,7 +686,16 @@ def report(
         if any(minutes_not_its_own(finished[name, seed][0]) for seed in seeds if (name, seed) in finished):
             cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += breaking_table(finished, names, seeds, rule, pairs, delay)
+    lines += breaking_table(finished, names, seeds, rule, pairs, delay, paired)
+    if kinds_by_seed:
+        lines += [
+            "",
+            "Each seed's CPU kind, as its records' provenance names it:",
+            "",
+            "| seed | CPU kind |",
+            "|---|---|",
+        ]
+        lines += [f"| {seed} | {', '.join(kind)} |" for seed, kind in origin["kinds"].items()]
     lines += summary_table(finished, names, seeds)
     if absent:
         lines += ["", f"Not in the tables: {'; '.join(absent)}."]
@@ -811,11 +891,17 @@ def main(argv=None):
     parser.add_argument("--rule", choices=list(RULES), default="first_drop", help="the study's registered break rule")
     parser.add_argument("--gap", choices=list(GAPS), default="sign", help="the study's registered gap criterion")
     parser.add_argument("--delay", action="store_true", help="sustained_drop: does each pair's first break later?")
+    parser.add_argument("--paired", action="store_true", help="sustained_drop: each pair's discordant seeds")
+    parser.add_argument("--kinds_by_seed", action="store_true", help="one CPU kind per seed, not per directory")
     args = parser.parse_args(argv)
     names, seeds, pairs = args.names.split(), args.seeds.split(), [tuple(pair.split()) for pair in args.pair]
     if args.delay and (args.rule != "sustained_drop" or not pairs):
         parser.error("--delay reads the pairs' breaks under --rule sustained_drop: give both, and a --pair")
-    table = report(args.directory, names, seeds, pairs, args.rule, args.gap, args.delay)
+    if args.paired and (args.rule != "sustained_drop" or not pairs):
+        parser.error("--paired reads the pairs' breaks under --rule sustained_drop: give both, and a --pair")
+    table = report(
+        args.directory, names, seeds, pairs, args.rule, args.gap, args.delay, args.paired, args.kinds_by_seed
+    )
     (args.directory / "results.md").write_text(table)
     print(table, end="")
     try:

@@ -284,6 +284,53 @@ def test_the_delay_sign_test_and_the_break_counts_across_directories_by_hand(tmp
     assert "| `pg` | 0 of 3 | 2 of 3 | 0.200 |" in table and "| `binary_tv` | 0 of 3 | 1 of 3 | 0.500 |" in table
 
 
+def test_the_two_sided_tests_and_the_discordant_seeds_by_hand(tmp_path):
+    """The IPO study's readings (figures/ipo_reuse_demo/preregistration.md): Fisher's two-sided p on Fisher's own
+    tea-tasting table (3 of 4 against 1 of 4: 0.486, and one-sided 0.243); the two-sided sign test (6 against 0
+    passes at 0.05, 5 against 0 cannot); the discordant seeds of two arms, a seed where both broke left out."""
+    study = study_module()
+    assert study.fisher_two_sided(3, 4, 1, 4) == pytest.approx(34 / 70) and study.fisher_one_sided(
+        1, 4, 3, 4
+    ) == pytest.approx(17 / 70)
+    assert study.fisher_two_sided(0, 5, 5, 5) == pytest.approx(2 / 252)  # the two extreme tables, 1/252 each
+    assert study.fisher_two_sided(2, 5, 2, 5) == pytest.approx(1.0)
+    assert [study.sign_test_two_sided(*k) for k in ((6, 6), (0, 6), (5, 5), (3, 6))] == [1 / 32, 1 / 32, 1 / 16, 1.0]
+    curves = {
+        "ipo": [[30, 20, 20], [30, 20, 20], [30, 40, 40]],
+        "binary_tv": [[30, 40, 40], [30, 20, 20], [30, 20, 20]],
+    }
+    for name, runs in curves.items():  # ipo broke on seeds 0 and 1, binary_tv on 1 and 2
+        for seed, accuracies in enumerate(runs):
+            write_metrics(tmp_path / f"{name}-seed{seed}", accuracies, [0.0], [0.0], [10])
+    finished = study.load_records(tmp_path, ["ipo", "binary_tv"], ["0", "1", "2"])[0]
+    assert study.discordant_seeds(finished, "ipo", "binary_tv", ["0", "1", "2"], "sustained_drop") == (1, 1)
+    text = study.report(
+        tmp_path, ["ipo", "binary_tv"], ["0", "1", "2"], [("ipo", "binary_tv")], "sustained_drop", paired=True
+    )
+    expected = "- `ipo` broke and `binary_tv` held on 1 seeds, the reverse on 1: sign test p = 0.750 one-sided, "
+    assert expected + "1.000 two-sided; Fisher two-sided p = 1.000" in text
+
+
+def test_kinds_by_seed_allows_a_kind_per_seed_and_refuses_two_within_one(tmp_path):
+    """A seed is a stratum (figures/smollm2_reuse_by_seed/preregistration.md): records of two CPU kinds in one table
+    are refused, unless kinds_by_seed, which names each seed's kind; two kinds within one seed are refused even then."""
+    study = study_module()
+    for name in ("pg", "topk_tv"):
+        for seed, kind in ((0, "family 25"), (1, "family 26")):
+            write_metrics(tmp_path / f"{name}-seed{seed}", [30, 40], [0.0], [0.0], [10])
+            provenance = json.loads((tmp_path / f"{name}-seed{seed}" / "provenance.json").read_text())
+            provenance |= {"cpu_id": kind, "cpu_capability": "AVX512"}
+            (tmp_path / f"{name}-seed{seed}" / "provenance.json").write_text(json.dumps(provenance))
+    with pytest.raises(SystemExit, match="2 cpu_ids"):
+        study.load_records(tmp_path, ["pg", "topk_tv"], ["0", "1"])
+    text = study.report(tmp_path, ["pg", "topk_tv"], ["0", "1"], [], "sustained_drop", kinds_by_seed=True)
+    assert "| 0 | a CPU, family 25, AVX512 |" in text and "| 1 | a CPU, family 26, AVX512 |" in text
+    provenance = json.loads((tmp_path / "pg-seed1" / "provenance.json").read_text())
+    (tmp_path / "pg-seed1" / "provenance.json").write_text(json.dumps(provenance | {"cpu_id": "family 25"}))
+    with pytest.raises(SystemExit, match="seed 1's records come from 2 CPU kinds"):
+        study.load_records(tmp_path, ["pg", "topk_tv"], ["0", "1"], kinds_by_seed=True)
+
+
 def test_a_report_wires_each_pair_to_its_interval_break_counts_and_sign_test_by_hand(tmp_path):
     """report() on hand-made runs, 3 seeds: pg falls 10 points and stays (broken at step 2 on every seed); binary_tv
     ends 10, 20, 30 points above it. t(0.975, 2 df) = 4.303: step 2's +10, +15, +20 is 15 ± 5, 15 ∓ 4.303 · 5 / √3 =
@@ -638,7 +685,7 @@ def test_token_classes_on_hand_made_completions(tiny_policy):
 @slow
 def test_the_blocked_token_record_is_the_mask_the_update_used(demo_cache, monkeypatch):
     """--only blocked judges every trained token again with objective_loss, once per region: for the objective the
-    run trains, its record is the mask update_policy handed to add_token_stats, token for token."""
+    run trains, its record is the mask rl_step handed to add_token_stats, token for token."""
     used, add_token_stats = [], dppo.add_token_stats
 
     def keeping(stats, cfg, sampled, pi, anchor, A, blocked, first):

@@ -12,7 +12,7 @@
 3. rare_right_answer.png: a one-step bandit whose rewarded token starts rare, trained through objective_loss and
    token_weights with AdamW: steps until it reaches probability 0.5; how far a common wrong token falls in one step.
 4. blocked_<model>.png (--only blocked, flags for dppo.py after --): a few RL steps of `python dppo.py` with a bf16
-   sampler, every trained token recorded where update_policy hands it to add_token_stats, and judged by objective_loss
+   sampler, every trained token recorded where rl_step hands it to add_token_stats, and judged by objective_loss
    under each of ppo_clip, dcpo, binary_tv, topk_tv and cppo at the same (pi, mu, A): which tokens each blocks, by mu's
    decade, the advantage's sign and side, and what they are; the completions with the most blocked tokens, drawn.
 
@@ -224,7 +224,7 @@ def bandit(objective, mu0, seed, rewarded=True, vocab=451, samples=4096, updates
     """A one-step bandit: V logits, token 0 at probability mu0 and the rest equal; token 0 alone is rewarded, or
     (rewarded=False) alone is not. Each step samples `samples` tokens through dppo.py's SamplingRecorder (mu, its
     top K), takes GRPO advantages over them as one group, and makes `updates` AdamW steps on objective_loss weighted
-    by token_weights, as update_policy does. Returns token 0's probability after each step: until it reaches 0.5,
+    by token_weights, as rl_step does. Returns token 0's probability after each step: until it reaches 0.5,
     or for `steps` steps."""
     torch.manual_seed(seed)
     cfg = dppo.parse_config(["--objective", objective])
@@ -359,14 +359,14 @@ def token_classes(tokenizer, ids: list[int], eos_ids) -> list[str]:
 
 
 def blocked_tokens(flags: list[str]) -> tuple[list[dict], object, set]:
-    """Every token trained in a few RL steps of `python dppo.py FLAGS`, recorded where update_policy hands it to
+    """Every token trained in a few RL steps of `python dppo.py FLAGS`, recorded where rl_step hands it to
     add_token_stats: its update, position, id, text class, mu(a_t), pi(a_t) and A, and which of BLOCKERS block it
     at that (pi, mu, A), each by objective_loss on the same tensors (the run trains under the objective its flags
     name; pi's top-K is computed when that objective is topk_tv or topk_kl)."""
     records, update = [], [0]
     add_token_stats, token_counts = dppo.add_token_stats, dppo.token_counts
 
-    def counting_mini_batches(mask):  # update_policy calls it once a mini-batch
+    def counting_mini_batches(mask):  # rl_step calls it once a mini-batch
         update[0] += 1
         return token_counts(mask)
 
