@@ -1,57 +1,71 @@
-"""dppo.py: RL post-training of a language model under a trust region, in one file. It implements DPPO (Qi et al.,
-"Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879) and the objectives it is compared to.
+"""dppo.py: RL post-training of a language model under a trust region, in one file.
 
-    python dppo.py                                     # offline demo: a tiny model learns arithmetic under DPPO
+It implements DPPO (Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879)
+and the objectives that the paper compares it to.
+
+    python dppo.py                                     # offline demo: a tiny model learns arithmetic by DPPO
     python dppo.py --objective ppo_clip                # the same under PPO's clip, the baseline
     python dppo.py --model Qwen/Qwen2.5-0.5B-Instruct  # GSM8K on one GPU
-    torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, sharded with FSDP2
+    torchrun --nproc_per_node 8 dppo.py --model Qwen/Qwen2.5-1.5B-Instruct  # 8 GPUs, FSDP2 sharding
 
 The names are the paper's:
   - mu is the sampler's distribution, recorded while sampling. pi is the policy being trained.
-  - r = pi(a_t) / mu(a_t) is a token's probability ratio, and A its completion's advantage.
-  - The anchor is what the trust region measures from: mu as sampled. Under --recompute_old (the paper's ablation)
-    it is pi_old, the policy before the step's first update.
-  - B = P x G completions of at most T tokens: G completions of each of P prompts.
-  - E passes over a rollout (--ppo_epochs), U mini-batches a pass (--updates_per_step), one AdamW step each.
-  - tau is the sampling temperature, K the number of mu's most probable tokens recorded, C a cap on r, and k the age
-    of a rollout in steps (--staleness).
+  - a_t is the token sampled at position t of a completion, and s_t is the text before it.
+  - r = pi(a_t) / mu(a_t) is the probability ratio of a token. A is the advantage of the token's completion.
+  - The anchor is the distribution that the trust region measures from: mu as sampled. Under --recompute_old
+    (the paper's ablation), the anchor is pi_old, the policy before the step's first update.
+  - A rollout holds B = P x G completions of at most T tokens: G completions of each of P prompts.
+  - The update makes E passes over a rollout (--ppo_epochs). Each pass has U mini-batches
+    (--updates_per_step), and each mini-batch is one AdamW step.
+  - tau is the sampling temperature. K is the number of mu's most probable tokens that are recorded.
+  - C is a cap on r. k is the age of a rollout in steps (--staleness).
+  - sg(x) is x with its gradient stopped (stop-gradient).
 
-What DPPO changes. PPO clips r to [1 - eps, 1 + eps]. The clip lets a token's probability move by eps * mu(a_t) at
-most, which is next to nothing for a rare token. DPPO bounds a divergence D between mu and pi by delta instead. It
-removes a token's gradient only where the update moves the token away from mu past delta (eq. 11's mask M, eq. 12):
-    M = 0  iff  A * (r - 1) > 0  and  D > delta,        loss_t = -A * sg(r) * M * log pi(a_t),    e.g. D = |pi - mu|
-The paper argues that the clip's cuts fall mostly on rare tokens. RARE_TOKEN_MU is where dppo.py measures that.
+What DPPO changes. PPO clips r to [1 - eps, 1 + eps]. The clip lets the probability of a token move by
+at most eps * mu(a_t), which is next to nothing for a rare token. DPPO instead bounds a divergence D
+between mu and pi by delta. It removes the gradient of a token only where the update moves the token
+away from mu past delta. This is eq. 11's mask M, used in eq. 12:
+    M = 0  iff  A * (r - 1) > 0  and  D > delta          (for example D = |pi(a_t) - mu(a_t)|)
+    loss_t = -A * sg(r) * M * log pi(a_t)
+The paper argues that the clip's cuts fall mostly on rare tokens. RARE_TOKEN_MU is where dppo.py
+measures that.
 
-The algorithm, with the definition that does each part:
+The algorithm, with the definitions that do each part:
 
-    for step in 1 .. steps:                                                   train
-        one RL step:                                                          rl_step
-        sample P prompts x G completions, recording log mu(a_t), mu's top K   generate_rollout, SamplingRecorder
-        reward 1 for the right final answer, else 0                           score, rewards.py
-        advantages per group of G completions                                 step_advantages, grpo_advantages
-        [--staleness k] queue the rollout; train on the one sampled k ago     rl_step
-        the anchor is mu as sampled; [--recompute_old] pi_old, corrected      recompute_anchor
-        E passes of U mini-batches, one AdamW step each:                      rl_step
-          each token's weight in the mini-batch's loss                        token_weights
-          per micro-batch: log pi from one teacher-forced pass                policy_logprobs
-                           loss_t from log pi, the anchor and A               objective_loss
+    for step in 1 .. steps:                                           train
+        one RL step:                                                  rl_step
+        sample P prompts x G completions, recording log mu(a_t)       generate_rollout,
+          and mu's top K                                              SamplingRecorder
+        reward 1 for the right final answer, else 0                   score, rewards.py
+        advantages per group of G completions                         step_advantages, grpo_advantages
+        [--staleness k] queue the rollout, and train on the one       rl_step
+          sampled k steps ago
+        the anchor is mu as sampled                                   rl_step
+          [--recompute_old] pi_old, with a correction                 recompute_anchor
+        E passes of U mini-batches, one AdamW step each:              rl_step
+          each token's weight in the mini-batch's loss                token_weights
+          per micro-batch: log pi from one teacher-forced pass        policy_logprobs
+                           loss_t from log pi, the anchor and A       objective_loss
                              pg_loss | ppo_clip_loss
                              | dppo_loss with D = binary_tv | binary_kl | topk_tv | topk_kl
                              | the neighbours (after the training loop)
-        every eval_every steps: greedy held-out accuracy                      evaluate
+        every eval_every steps: greedy held-out accuracy              evaluate
 
 Simplifications:
-  - The trust region is anchored to mu as sampled, as DPPO prescribes (top-K: mu's top-K ids). --recompute_old
-    anchors it to pi_old, and a weight on pi_old / mu keeps the ratio against mu: the paper's ablation.
-  - The rewards are binary. There is no KL penalty to a reference model, no entropy bonus and no value function.
-  - No tensor of B x T x V logits is ever made: mu is recorded a step at a time while sampling, and pi's output layer
-    runs a chunk of positions at a time.
-  - On CUDA the forward passes run in bf16 over fp32 weights, and AdamW in fp32 (all fp32 on a CPU). Log-probs,
-    ratios and losses are fp32.
-  - Under torchrun, FSDP2 shards the model. Each process runs the loop on its share of a step, and gathers the whole
-    model to generate.
-  - There is no vLLM: Hugging Face's `generate` samples from the policy, or (--sampler_dtype) from a copy in another
-    dtype refreshed every step, as an inference engine's would be.
+  - The trust region is anchored to mu as sampled, as DPPO prescribes. The top-K divergences use mu's
+    top-K ids. --recompute_old anchors the trust region to pi_old instead, and a weight on pi_old / mu
+    keeps the ratio against mu. This is the paper's ablation.
+  - The rewards are binary. There is no KL penalty to a reference model, no entropy bonus and no value
+    function.
+  - No tensor of B x T x V logits is ever made, where V is the vocabulary's size. mu is recorded one
+    step at a time while sampling, and pi's output layer runs on a chunk of positions at a time.
+  - On CUDA, the forward passes run in bf16 over fp32 weights, and AdamW runs in fp32. On a CPU,
+    everything is fp32. Log-probs, ratios and losses are always fp32.
+  - Under torchrun, FSDP2 shards the model. Each process runs the loop on its share of a step, and
+    gathers the whole model to generate.
+  - There is no vLLM. Hugging Face's `generate` samples from the policy. With --sampler_dtype, it
+    samples from a copy of the policy in another dtype, refreshed every step, as an inference engine's
+    copy would be.
 """
 
 import argparse
@@ -92,7 +106,8 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 from transformers import DynamicCache
-from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedTokenizerFast, Qwen2Config, StaticCache
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedTokenizerFast
+from transformers import Qwen2Config, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -103,92 +118,100 @@ from rewards import extract_answer, extract_gold, reward
 OBJECTIVES = "pg ppo_clip dcpo erc cispo gspo binary_tv binary_kl topk_tv topk_kl drpo cppo ipo".split()
 
 
-def setting(default, help, choices=""):  # a Config field that is also a command-line flag; choices: "a b c"
+def setting(default, help, choices=""):
+    """A Config field that is also a command-line flag. choices is one string of words: "a b c"."""
     return dataclasses.field(default=default, metadata=dict(help=help, choices=choices.split() or None))
 
 
 @dataclasses.dataclass
 class Config:
     # -------- what is trained, on what
-    model: str = setting("", "Hub id, local directory or GGUF file of a causal LM; empty = the demo's tiny model")
-    dataset: str = setting("gsm8k", "'gsm8k', another Hub name, 'arithmetic' (the demo's), a JSONL file or a directory")
-    objective: str = setting("binary_tv", "binary_* and topk_* are DPPO's, ppo_clip its baseline", " ".join(OBJECTIVES))
+    model: str = setting("", "a causal LM's Hub id, directory or GGUF file; empty: the demo's tiny model")
+    dataset: str = setting("gsm8k", "gsm8k, a Hub dataset, arithmetic (the demo's), a JSONL file or directory")
+    objective: str = setting(
+        "binary_tv", "binary_* and topk_* are DPPO's; ppo_clip is its baseline", " ".join(OBJECTIVES)
+    )
     # -------- sampling: the rollout and mu
-    prompts_per_step: int = setting(32, "P: prompts per rollout batch")
+    prompts_per_step: int = setting(32, "P: prompts per rollout")
     samples_per_prompt: int = setting(8, "G: completions per prompt (the GRPO group)")
-    max_new_tokens: int = setting(512, "completion length limit; longer completions are truncated")
+    max_new_tokens: int = setting(512, "completion length limit; longer completions are cut")
     temperature: float = setting(1.0, "sampling temperature tau; pi's logits are divided by the same tau")
-    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position (top-K divergences)")
+    topk: int = setting(20, "K: how many of mu's most probable tokens are recorded per position")
     sampler_dtype: str = setting("policy", "sample from a copy in this dtype", "policy float32 bfloat16 float16")
-    # -------- advantages and the loss's aggregation
-    scale_rewards: str = setting("group", "GRPO: divide by the group std or not (Dr. GRPO)", "group none")
+    # -------- advantages, and how the loss is aggregated
+    scale_rewards: str = setting("group", "GRPO: divide by the group's std, or not (Dr. GRPO)", "group none")
     loss_agg: str = setting("token_mean", "see token_weights", "token_mean seq_mean_token_mean seq_sum seq_sum_norm")
     skip_zero_advantage: bool = setting(False, "leave completions with A = 0 out of the loss's normaliser")
-    truncated_reward: str = setting("keep", "a completion cut at the length limit: its score, or 0", "keep zero")
-    overlong_filter: bool = setting(False, "DAPO's overlong filtering: completions cut at the limit leave the loss")
+    truncated_reward: str = setting("keep", "a completion cut at the limit scores as usual, or 0", "keep zero")
+    overlong_filter: bool = setting(False, "DAPO's overlong filter: completions cut at the limit leave the loss")
     # -------- the objectives' thresholds
-    clip_low: float = setting(0.2, "ppo_clip, erc, gspo: r clipped at 1 - clip_low (cispo: its weight); dcpo: eps")
-    clip_high: float = setting(0.28, "ppo_clip, erc, gspo: r clipped at 1 + clip_high (cispo: its weight); dcpo: eps")
-    relax_clip: str = setting("none", "ppo_clip: the clip rare tokens escape", "none high low both")
-    relax_below: float = setting(0.1, "ppo_clip with --relax_clip: the probability alpha below which a token escapes")
-    dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0 the loss is at most -A*c")
-    delta_low: float = setting(0.15, "DPPO: a token with A < 0 whose probability falls is blocked when D > delta_low")
-    delta_high: float = setting(0.15, "DPPO: a token with A > 0 whose probability rises is blocked when D > delta_high")
+    clip_low: float = setting(0.2, "ppo_clip, erc, gspo: r clipped at 1 - clip_low; cispo, dcpo: eps_low")
+    clip_high: float = setting(0.28, "ppo_clip, erc, gspo: r clipped at 1 + clip_high; cispo, dcpo: eps_high")
+    relax_clip: str = setting("none", "ppo_clip: the bounds that rare tokens escape", "none high low both")
+    relax_below: float = setting(0.1, "ppo_clip, --relax_clip: alpha; a token escapes where anchor(a_t) < alpha")
+    dual_clip: float = setting(10.0, "ppo_clip, dcpo, erc: dual-clip constant c; for A < 0, loss <= -A * c")
+    delta_low: float = setting(0.15, "DPPO: blocks a token where A < 0, pi(a_t) falls and D > delta_low")
+    delta_high: float = setting(0.15, "DPPO: blocks a token where A > 0, pi(a_t) rises and D > delta_high")
     is_cap: float = setting(math.inf, "pg, DPPO, cppo: cap C on the importance weight min(r, C); inf: none")
     # -------- training
-    steps: int = setting(200, "RL steps: one rollout batch and its updates each")
-    epochs: int = setting(0, "if > 0: passes over the training set, which sets the number of steps (replaces --steps)")
-    updates_per_step: int = setting(4, "U: mini-batches per pass over a rollout, an optimizer step each")
-    ppo_epochs: int = setting(1, "E: passes over each rollout, each reshuffled into U mini-batches (verl's word)")
+    steps: int = setting(200, "RL steps, each one rollout and its updates")
+    epochs: int = setting(0, "if > 0: passes over the training set; they set the number of steps, not --steps")
+    updates_per_step: int = setting(4, "U: mini-batches per pass over a rollout, one optimizer step each")
+    ppo_epochs: int = setting(1, "E: passes over each rollout, each shuffled into U mini-batches (verl's name)")
     staleness: int = setting(
         0, "k: train on rollouts k steps old; the last k steps sample none (--steps shapes the run; --resume refills)"
     )
-    micro_batch_size: int = setting(8, "completions per forward/backward; gradients accumulate over a mini-batch")
+    micro_batch_size: int = setting(8, "completions per forward and backward; gradients add up over a mini-batch")
     learning_rate: float = setting(1e-6, "AdamW learning rate")
     weight_decay: float = setting(0.0, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "gradient-norm clipping per optimizer step")
     seed: int = setting(0, "seed for data order, sampling and initialisation")
     # -------- evaluation
-    eval_every: int = setting(20, "greedy held-out accuracy every this many steps (and before and after training)")
+    eval_every: int = setting(20, "greedy held-out accuracy before training, every this many steps, and after")
     eval_n: int = setting(200, "held-out problems per evaluation")
     eval_batch_size: int = setting(64, "prompts per evaluation generate call")
-    eval_samples: int = setting(0, "k > 0: also avg@k and pass@k over k samples a problem at --temperature")
+    eval_samples: int = setting(0, "k > 0: also avg@k and pass@k of k samples a problem at --temperature")
     # -------- plumbing: memory, speed, files
-    gradient_checkpointing: bool = setting(False, "recompute each layer in backward: less memory, ~1 more forward")
+    gradient_checkpointing: bool = setting(False, "recompute layers in backward: less memory, ~1 more forward")
     precision: str = setting("auto", "forward-pass dtype; auto: bf16 on CUDA", "auto bf16 fp32")
     generation_cache: str = setting(
         "auto", "KV cache: grown a token at a time, or allocated once; auto: static on CUDA", "auto dynamic static"
     )
-    max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: the longest, to 64s)")
-    device: str = setting("auto", "'auto' (CUDA if available, else CPU), 'cuda', 'cpu', ...")
-    output_dir: str = setting("", "metrics.jsonl and the model go here; empty: --resume or runs/<objective>-seed<seed>")
-    save_every: int = setting(0, "write <output_dir>/checkpoint every this many steps; 0 = only on Ctrl-C")
-    report_to: str = setting("none", "also send metrics.jsonl's records to a tracker", "none wandb tensorboard trackio")
-    resume: str = setting("", "continue the run whose output_dir this is, from its checkpoint (same other flags)")
-    overwrite_output_dir: bool = setting(False, "start over in an --output_dir that holds a run's metrics.jsonl")
+    max_prompt_tokens: int = setting(0, "longer prompts are refused; static pads to it (0: longest, to 64s)")
+    device: str = setting("auto", "auto (CUDA if available, else CPU), cuda, cpu, ...")
+    output_dir: str = setting(
+        "", "metrics.jsonl and the model go here; empty: --resume's, or runs/<objective>-seed<seed>"
+    )
+    save_every: int = setting(0, "save <output_dir>/checkpoint every this many steps; 0: only on Ctrl-C")
+    report_to: str = setting("none", "also send the metrics to a tracker", "none wandb tensorboard trackio")
+    resume: str = setting("", "continue the run in this output_dir from its checkpoint (same other flags)")
+    overwrite_output_dir: bool = setting(False, "start over in an --output_dir that holds metrics.jsonl")
     cache_dir: str = setting("~/.cache/dppo", "where the built-in tiny model is built once and reused")
-    # -------- the neighbours' and the ablation's own (see them after the training loop)
-    advantage: str = setting("grpo", "GRPO's group standardisation or DCPO's smooth one", "grpo sas")
-    dcpo_r_max: float = setting(10.0, "dcpo: cap r_max on its upper ratio bound")
-    erc_beta_low: float = setting(0.05, "erc: keep a token's gradient only if its entropy ratio is above 1 - beta_low")
-    erc_beta_high: float = setting(0.05, "erc: ... and below 1 + beta_high")
+    # -------- the neighbours' and the ablation's own flags (see them after the training loop)
+    advantage: str = setting("grpo", "GRPO's group standardisation, or DCPO's smooth one", "grpo sas")
+    dcpo_r_max: float = setting(10.0, "dcpo: the cap r_max on its upper ratio bound")
+    erc_beta_low: float = setting(0.05, "erc: a token keeps its gradient only if its entropy ratio > 1 - beta_low")
+    erc_beta_high: float = setting(0.05, "erc: ... and < 1 + beta_high")
     drpo_delta: float = setting(12.5, "drpo: its penalty's delta; a token's gradient weight is 1 -+ D / delta")
-    cppo_delta: float = setting(0.15, "cppo: delta, the most a token's (position-weighted) |pi - mu| may move")
-    cppo_w_min: float = setting(0.8, "cppo: the position weight at a completion's last token (1 at its first)")
+    cppo_delta: float = setting(0.15, "cppo: delta, the most a token's position-weighted |pi - mu| may move")
+    cppo_w_min: float = setting(0.8, "cppo: position weight of a completion's last token (1 at its first)")
     cppo_delta_b_min: float = setting(0.02, "cppo: delta_b, the budget per token, is in [delta_b_min, 2 delta_b_min]")
-    ipo_eps: float = setting(0.3, "ipo: a token is blocked when |pi - mu| > eps, whatever A and its direction")
-    ipo_kl_tau: float = setting(0.0, "ipo: tau of its KL term tau * (log r)^2 on every completion token")
+    ipo_eps: float = setting(0.3, "ipo: blocks a token where |pi - mu| > eps, whatever A and its direction")
+    ipo_kl_tau: float = setting(0.0, "ipo: tau in its KL term tau * (log r)^2 on every completion token")
     recompute_old: bool = setting(False, "anchor the trust region to a recomputed pi_old, not to mu (DPPO's ablation)")
-    rollout_correction: str = setting("tis", "--recompute_old: its weight on pi_old/mu", "tis token_mis seq_mis none")
+    rollout_correction: str = setting(
+        "tis", "--recompute_old: the weight on w = pi_old / mu", "tis token_mis seq_mis none"
+    )
     correction_cap: float = setting(2.0, "tis, seq_mis: the cap on w (verl's rollout_is_threshold)")
-    correction_low: float = setting(0.5, "--rollout_correction token_mis, seq_mis: lower bound on w (verl's IcePop)")
-    correction_high: float = setting(5.0, "--rollout_correction token_mis, seq_mis: upper bound on w (verl's IcePop)")
+    correction_low: float = setting(0.5, "token_mis, seq_mis: the lower bound on w (verl's IcePop)")
+    correction_high: float = setting(5.0, "token_mis, seq_mis: the upper bound on w (verl's IcePop)")
 
 
-# A method's own defaults: DCPO (arXiv 2509.02333) is SAS plus "only token mean"; DPPO's KL variants, a smaller delta.
+# Some methods have defaults of their own. DCPO (arXiv 2509.02333) uses SAS advantages and its "only
+# token mean" aggregation. DPPO's KL variants use a smaller delta.
 OBJECTIVE_DEFAULTS = {
     "dcpo": dict(advantage="sas", loss_agg="seq_sum"),
-    "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), a cap of 5 (ScaleRL)
+    "cispo": dict(clip_low=1.0, clip_high=4.0),  # no lower bound (MiniMax-M1), and a cap of 5 (ScaleRL)
     "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"),  # the GSPO paper's
     "binary_kl": dict(delta_low=0.05, delta_high=0.05),
     "topk_kl": dict(delta_low=0.05, delta_high=0.05),
@@ -197,7 +220,9 @@ OBJECTIVE_DEFAULTS = {
 
 @contextlib.contextmanager
 def timed(phase: str):
-    """A call of the decorated function counts towards its phase of the step, in train's metrics (see STEP_CLOCK)."""
+    """The time spent inside this block counts towards the step's phase `phase`, in train's metrics.
+
+    The block's peak memory counts towards the phase too (see STEP_CLOCK)."""
     reset_peak_memory(STEP_CLOCK.device)
     started = time.time()
     yield
@@ -209,7 +234,9 @@ def timed(phase: str):
 
 
 class Sampled(NamedTuple):
-    """A rollout with its rewards and advantages (this process's share), queued until a step trains on it."""
+    """A rollout with its rewards and advantages, queued until a step trains on it.
+
+    Under torchrun, each process holds its own share of the rollout."""
 
     rollout: "Rollout"
     rewards: torch.Tensor  # (B,) 1 for a right final answer, else 0
@@ -218,26 +245,32 @@ class Sampled(NamedTuple):
 
 
 def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run", cfg: Config) -> dict:
-    """One RL step: sample a rollout and reward it, anchor the trust region, update pi, and return the step's metrics.
+    """One RL step: sample and reward a rollout, anchor the trust region, update pi, and return the metrics.
 
-    A rollout is B = P x G completions, G of each of P prompts. The update makes E passes over the rollout. Each pass
-    is shuffled into U mini-batches, and each mini-batch is one AdamW step. A mini-batch's completions go through the
-    model a micro-batch at a time, and their gradients add up. An update computes only the completions with A != 0,
-    because every loss is a multiple of A or |A|."""
-    refresh_sampler(sampler, model)  # the sampler gets pi's weights (nothing to do when the sampler is pi itself)
+    A rollout is B = P x G completions, G of each of P prompts. The update makes E passes over the
+    rollout. Each pass shuffles the rollout into U mini-batches, and each mini-batch is one AdamW step.
+    The completions of a mini-batch go through the model one micro-batch at a time, and their gradients
+    add up. The update computes only the completions whose loss has a gradient (moves_pi): those with
+    A != 0, because every loss but IPO's KL term is a multiple of A or |A|."""
+    # The sampler gets pi's weights. When the sampler is pi itself, there is nothing to do.
+    refresh_sampler(sampler, model)
 
-    # Sample this step's rollout, recording mu. --staleness k: sample k steps ahead, so that the queue holds k + 1.
+    # Sample this step's rollout and record mu. With --staleness k, sampling runs k steps ahead, so that the
+    # queue holds k + 1 rollouts.
     while len(run.queue) <= cfg.staleness and step + len(run.queue) <= run.last_step:
-        trained_at = step + len(run.queue)  # the step that will train on this rollout, and whose prompts it takes
+        # trained_at is the step that will train on this rollout, and whose prompts the rollout takes.
+        trained_at = step + len(run.queue)
         with timed("rollout"):
             indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, trained_at)
-            asked = [problems[i] for i in this_process_share(indices) for _ in range(cfg.samples_per_prompt)]
+            asked = []  # each of this process's problems, G times in a row
+            for i in this_process_share(indices):
+                asked += [problems[i]] * cfg.samples_per_prompt
             prompts = [format_prompt(tokenizer, problem["question"]) for problem in asked]
             rollout = generate_rollout(sampler, tokenizer, prompts, cfg)
             rewards = score(rollout, asked, cfg.truncated_reward)
             advantages = step_advantages(rewards, indices, run.reward_history, cfg)
         run.queue.append(Sampled(rollout, rewards, advantages, sampled_at=step))
-    # Train on the oldest rollout: this step's own, or with --staleness k the one sampled k steps ago.
+    # Train on the oldest rollout: this step's own, or under --staleness k, the one sampled k steps ago.
     sampled = run.queue.popleft()
     rollout = sampled.rollout
     measured = UpdateMetrics(cfg)  # the update's diagnostics, for metrics.jsonl
@@ -246,21 +279,28 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run
         # The anchor is what the trust region measures from: mu as sampled, as DPPO prescribes.
         anchor = rollout.mu
         correction = torch.ones_like(rollout.completion_mask)
-        if cfg.recompute_old:  # --recompute_old, the paper's ablation: pi_old, and a weight that corrects it to mu
+        # Under --recompute_old (the paper's ablation), the anchor is pi_old, and a weight corrects it to mu.
+        if cfg.recompute_old:
             anchor, correction = recompute_anchor(model, rollout, sampled.advantages, cfg, measured)
 
-        # A completion's advantage stands on each of its tokens. --overlong_filter: completions cut at the limit get 0.
-        kept = ~rollout.truncated[:, None] if cfg.overlong_filter else torch.ones_like(rollout.truncated[:, None])
+        # Each token of a completion carries the completion's advantage. Under --overlong_filter, the
+        # completions that were cut at the length limit get A = 0.
+        if cfg.overlong_filter:
+            kept = ~rollout.truncated[:, None]
+        else:
+            kept = torch.ones_like(rollout.truncated[:, None])
         A = sampled.advantages.to(model.device)[:, None] * kept  # (B, 1)
         # The tokens that the loss averages over. --skip_zero_advantage leaves out completions with A = 0.
-        counted = rollout.completion_mask * kept * ((A != 0) if cfg.skip_zero_advantage else 1)
+        counted = rollout.completion_mask * kept
+        if cfg.skip_zero_advantage:
+            counted = counted * (A != 0)
         moving = moves_pi(A[:, 0], cfg)  # the completions whose loss has a gradient: only these are computed
 
         model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
         update = 0  # the optimizer steps taken so far in this RL step
         for epoch in range(cfg.ppo_epochs):
             for minibatch in torch.randperm(len(A)).chunk(cfg.updates_per_step):
-                # Each token's weight in the mini-batch's loss, from the mini-batch's counts over every process.
+                # Each token's weight in the mini-batch's loss, from the counts over every process.
                 counts = all_reduced(token_counts(counted[minibatch]))
                 weights = torch.zeros_like(correction)  # (B, T)
                 shares = token_weights(counted[minibatch], cfg.loss_agg, counts, cfg.max_new_tokens)
@@ -269,41 +309,48 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run
                 optimizer.zero_grad(set_to_none=True)
                 micro_batches, left_out = rows_that_move_pi(minibatch, moving, cfg.micro_batch_size)
                 for rows in micro_batches:
-                    batch = rollout.select(rows)  # these completions, without the columns that are all padding
+                    batch = rollout.select(rows)  # these rows, without their all-padding columns
                     T = batch.completion_ids.shape[1]
                     anchored = anchor.select(rows, T)
-                    pi = policy_logprobs(model, batch, cfg.temperature, cfg.precision, **objective_needs(cfg.objective))
+                    needs = objective_needs(cfg.objective)  # what the objective reads besides log pi(a_t)
+                    pi = policy_logprobs(model, batch, cfg.temperature, cfg.precision, **needs)
                     token_loss, blocked = objective_loss(cfg, pi, anchored, A[rows], batch.completion_mask)
                     loss = (token_loss * weights[rows, :T]).sum()
                     loss.backward()
                     measured.add_micro_batch(update, loss, batch, pi, anchored, A[rows], blocked)
 
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                measured.add_update(update, grad_norm, rollout, left_out)  # stops the run on a non-finite norm
+                # add_update stops the run on a non-finite gradient norm.
+                measured.add_update(update, grad_norm, rollout, left_out)
                 optimizer.step()
                 update += 1
-        model.eval()  # generate() must run in eval mode: in train mode, checkpointing turns off its KV cache
+        # generate() must run in eval mode: in train mode, gradient checkpointing turns off its KV cache.
+        model.eval()
 
     return step_metrics(step, sampled, STEP_CLOCK, model, cfg) | measured.metrics()
 
 
-# ============================================================================ rollout: sampling, recording mu
+# ============================================================================ sampling and recording mu
 
 
 class LogProbs(NamedTuple):
-    """A policy's log-probs at a batch's completion tokens: mu's as sampled, the anchor's, or pi's in training."""
+    """A policy's log-probs at the completion tokens of a batch.
+
+    They are mu's as sampled, the anchor's, or pi's in training."""
 
     logp: torch.Tensor  # (B, T)    log p(a_t | s_t) of the sampled token
     topk_logp: Optional[torch.Tensor]  # (B, T, K) log p at mu's top-K ids (the sampled token among them)
-    entropy: Optional[torch.Tensor]  # (B, T)    full-vocabulary entropy of p(. | s_t)
+    entropy: Optional[torch.Tensor]  # (B, T)    entropy of p(. | s_t) over the whole vocabulary
 
     def select(self, rows: torch.Tensor, T: int) -> "LogProbs":
+        """These rows and their first T columns, in each field that is present."""
         return LogProbs(*(None if x is None else x[rows, :T] for x in self))
 
 
 class SamplingRecorder(LogitsProcessor):
-    """Records mu = softmax(logits / tau) while generate() samples (sampling: top_k=0, top_p=1). In plain torch, with
-    generate's inputs, it computes what these lines do:
+    """Records mu = softmax(logits / tau) while generate() samples with top_k=0 and top_p=1 (see sampling).
+
+    Given generate's inputs, it computes what these lines of plain torch compute:
 
         out = model.generate(**inputs, **sampling(cfg), output_logits=True, return_dict_in_generate=True)
         log_mu = (torch.stack(out.logits, dim=1).float() / cfg.temperature).log_softmax(-1)  # (B, T, V)
@@ -311,19 +358,23 @@ class SamplingRecorder(LogitsProcessor):
         topk_logp_mu, topk_ids = log_mu.topk(cfg.topk, dim=-1)  # and the sampled token in the K-th slot if outside
         entropy_mu = -(log_mu.exp() * log_mu).sum(-1)
 
-    without the (B, T, V) logits: it sees one step's logits at a time, before the temperature is applied and before its
-    token is drawn, so it records step t's token at step t + 1 (input_ids' last column), the last in finish."""
+    It does so without the (B, T, V) logits. It sees the logits of one step at a time, before the temperature
+    is applied and before the step's token is drawn. So it records the token of step t at step t + 1, where
+    that token is the last column of input_ids. It records the last step's token in finish."""
 
     def __init__(self, temperature: float, k: int):
-        self.temperature, self.k = temperature, k
+        self.temperature = temperature
+        self.k = k
         self.logp_mu = []  # per step: (B,) log mu(a_t) of the sampled token
         self.topk_ids = []  # (B, K) mu's K most probable ids, the sampled token forced in
         self.topk_logp_mu = []  # (B, K) their log mu
         self.entropy_mu = []  # (B,) H(mu(. | s_t)) over the whole vocabulary
-        self.pending = None  # the newest step's (raw logits (B, V), log Z (B,)), until its sampled token is known
+        # The newest step's raw logits (B, V) and log normaliser (B,), until its sampled token is known.
+        self.pending = None
 
     def __call__(self, input_ids, scores):
-        if self.pending is not None:  # the one-step lag: step t's token is known at step t+1, as input_ids' last column
+        # The one-step lag: the token of step t is known at step t + 1, as the last column of input_ids.
+        if self.pending is not None:
             self.record_sampled_token(input_ids[:, -1])
         logits = scores.float() / self.temperature
         log_normaliser = logits.logsumexp(-1)
@@ -337,26 +388,37 @@ class SamplingRecorder(LogitsProcessor):
     def record_sampled_token(self, tokens):
         scores, log_normaliser = self.pending
         logp = scores.gather(-1, tokens[:, None]).squeeze(-1).float() / self.temperature - log_normaliser
-        ids, top_logp = self.topk_ids[len(self.logp_mu)], self.topk_logp_mu[len(self.logp_mu)]
-        # Outside mu's top K, the sampled token takes the K-th slot; the token it evicts joins "the rest" (DPPO's code).
+        t = len(self.logp_mu)
+        ids = self.topk_ids[t]
+        top_logp = self.topk_logp_mu[t]
+        # A sampled token outside mu's top K takes the K-th slot. The token that it evicts joins "the
+        # rest", as in DPPO's code.
         outside = ~(ids == tokens[:, None]).any(-1)
-        ids[:, -1] = torch.where(outside, tokens, ids[:, -1])  # not ids[outside]: no wait for the GPU every step
+        # torch.where, not ids[outside]: boolean indexing would wait for the GPU at every step.
+        ids[:, -1] = torch.where(outside, tokens, ids[:, -1])
         top_logp[:, -1] = torch.where(outside, logp, top_logp[:, -1])
         self.logp_mu.append(logp)
         self.pending = None
 
     def finish(self, completion_ids) -> tuple[torch.Tensor, LogProbs]:
-        """mu's top-K ids (B, T, K) and log-probs; the last step's token is known only now, from the completions."""
+        """mu's top-K ids (B, T, K) and mu's LogProbs.
+
+        The last step's token is known only now, from the completions."""
         T = completion_ids.shape[1]
         if len(self.logp_mu) < T:
             self.record_sampled_token(completion_ids[:, -1])
-        steps = (self.logp_mu, self.topk_logp_mu, self.entropy_mu)  # generate() may run one step more than it keeps
-        return torch.stack(self.topk_ids[:T], dim=1), LogProbs(*(torch.stack(x[:T], dim=1) for x in steps))
+        # generate() may run one step more than it keeps, so each list is cut at T.
+        steps = (self.logp_mu, self.topk_logp_mu, self.entropy_mu)
+        topk_ids = torch.stack(self.topk_ids[:T], dim=1)
+        mu = LogProbs(*(torch.stack(x[:T], dim=1) for x in steps))
+        return topk_ids, mu
 
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """What sampling produced: B = P*G completions (a prompt's G samples in consecutive rows) and mu."""
+    """What sampling produced: B = P x G completions, and mu.
+
+    The G completions of a prompt are in consecutive rows."""
 
     prompt_ids: torch.Tensor  # (B, Lp) left-padded
     prompt_mask: torch.Tensor  # (B, Lp)
@@ -368,29 +430,48 @@ class Rollout:
     truncated: torch.Tensor  # (B,) True where a completion was cut at --max_new_tokens, before any EOS
 
     def select(self, rows: torch.Tensor) -> "Rollout":
-        """These rows (a micro-batch), without the columns that are padding in all of them: less for a forward pass."""
-        first = int(self.prompt_mask[rows].any(0).int().argmax())  # the first prompt column that any row uses
+        """These rows (a micro-batch), without the columns that are padding in all of them.
+
+        Without those columns, a forward pass over the rows costs less."""
+        first = int(self.prompt_mask[rows].any(0).int().argmax())  # the first column that any row uses
         T = int(self.completion_mask[rows].sum(1).max())  # the longest completion, its EOS included
         prompts = dict(prompt_ids=self.prompt_ids[rows, first:], prompt_mask=self.prompt_mask[rows, first:])
-        tokens = {name: getattr(self, name)[rows, :T] for name in ("completion_ids", "completion_mask", "topk_ids")}
+        tokens = dict(
+            completion_ids=self.completion_ids[rows, :T],
+            completion_mask=self.completion_mask[rows, :T],
+            topk_ids=self.topk_ids[rows, :T],
+        )
         texts = dict(texts=[self.texts[i] for i in rows], truncated=self.truncated[rows])
         return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), **texts)
 
 
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
-    """One completion per prompt, recording mu."""
+    """Samples one completion per prompt, and records mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
     with full_weights(model), autocast(model, cfg.precision):
         recording = dict(logits_processor=[recorder], **sampling(cfg))
         inputs, tokens, mask = generate(model, tokenizer, prompts, cfg, prefill_once=True, **recording)
     topk_ids, mu = recorder.finish(tokens)
-    cut = ~torch.isin(tokens, torch.tensor(model.generation_config.eos_token_id, device=tokens.device)).any(1)
-    sampled = dict(completion_ids=tokens, completion_mask=mask, texts=decode(tokenizer, tokens, mask), truncated=cut)
-    return Rollout(prompt_ids=inputs.input_ids, prompt_mask=inputs.attention_mask, topk_ids=topk_ids, mu=mu, **sampled)
+    # A completion without any EOS was cut at the length limit.
+    eos = torch.tensor(model.generation_config.eos_token_id, device=tokens.device)
+    cut = ~torch.isin(tokens, eos).any(1)
+    texts = decode(tokenizer, tokens, mask)
+    return Rollout(
+        prompt_ids=inputs.input_ids,
+        prompt_mask=inputs.attention_mask,
+        completion_ids=tokens,
+        completion_mask=mask,
+        topk_ids=topk_ids,
+        mu=mu,
+        texts=texts,
+        truncated=cut,
+    )
 
 
 def sampling(cfg: Config) -> dict:
-    """mu = softmax(logits / tau) over the whole vocabulary: every setting explicit, else a checkpoint's changes mu."""
+    """generate's settings under which mu = softmax(logits / tau) over the whole vocabulary.
+
+    Every setting is explicit, because otherwise the generation config of a checkpoint would change mu."""
     return dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
 
 
@@ -398,20 +479,28 @@ def sampling(cfg: Config) -> dict:
 
 
 def score(rollout: "Rollout", problems: list[dict], truncated_reward: str = "keep") -> torch.Tensor:
-    """The reward of each completion: 1 if its final answer is its problem's, else 0 (rewards.py). With truncated_reward
-    "zero", a completion cut at the length limit gets 0, whatever its partial text says."""
-    rewards = torch.tensor([reward(text, extract_gold(p["answer"])) for text, p in zip(rollout.texts, problems)])
+    """The reward of each completion: 1 if its final answer is its problem's answer, else 0 (rewards.py).
+
+    With truncated_reward "zero", a completion cut at the length limit gets 0, whatever its text says."""
+    scores = []
+    for text, problem in zip(rollout.texts, problems):
+        scores.append(reward(text, extract_gold(problem["answer"])))
+    rewards = torch.tensor(scores)
     if truncated_reward == "zero":
         rewards[rollout.truncated.cpu()] = 0.0
     return rewards
 
 
-EQUAL_REWARDS_STD = 1e-6  # rewards this close are equal (rounding): A = 0 exactly, as every A != 0 test needs
+# Rewards whose std is at most this are equal up to rounding. Their advantages are then exactly 0, as every
+# test of A != 0 needs.
+EQUAL_REWARDS_STD = 1e-6
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-6):
-    """GRPO (arXiv 2402.03300, §4.1.2): A_j = (R_j - mean(R)) / (std(R) + eps) over one prompt's G completions,
-    Bessel-corrected std; scale_rewards='none' only centres (Dr. GRPO, arXiv 2503.20783). Equal rewards: A = 0."""
+    """GRPO's advantages (arXiv 2402.03300, §4.1.2), over the G completions of each prompt:
+        A_j = (R_j - mean(R)) / (std(R) + eps)
+    std is Bessel-corrected. With scale_rewards='none', the rewards are only centred (Dr. GRPO,
+    arXiv 2503.20783). Equal rewards give A = 0."""
     groups = rewards.view(-1, group_size)
     std = groups.std(1, keepdim=True)
     advantages = groups - groups.mean(1, keepdim=True)
@@ -421,33 +510,45 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str =
 
 
 def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: dict, cfg: Config) -> torch.Tensor:
-    """The rewards of the step's prompts (indices) to advantages: GRPO's within each group, or SAS's from each prompt's
-    reward history (every process keeps all of it, so SAS reads every process's rewards)."""
+    """The advantages of the step's completions, from the rewards of the step's prompts (indices).
+
+    GRPO computes them within each group. SAS computes them from the reward history of each prompt. Every
+    process keeps the whole history, so SAS reads the rewards of every process."""
     if cfg.advantage == "sas":
         every_process = all_gathered(rewards)
-        return this_process_share(sas_advantages(every_process, cfg.samples_per_prompt, indices, reward_history))
+        advantages = sas_advantages(every_process, cfg.samples_per_prompt, indices, reward_history)
+        return this_process_share(advantages)
     return grpo_advantages(rewards, cfg.samples_per_prompt, cfg.scale_rewards)
 
 
-# ============================================================================ the update's batches and token weights
+# ============================================================================ batches and token weights
 
 
 def rows_that_move_pi(rows: torch.Tensor, moving: torch.Tensor, micro_batch_size: int) -> tuple[list, torch.Tensor]:
-    """Micro-batches of the rows whose loss has a gradient (`moving`, from moves_pi), and the rows left out. Every
-    process makes as many micro-batches as the busiest one, because FSDP2's collectives need equal counts, and at
-    least one, so that AdamW steps on zero gradients rather than on None. Rows left out fill the extra ones."""
+    """Micro-batches of the rows whose loss has a gradient (`moving`, from moves_pi), and the rows left out.
+
+    Every process makes as many micro-batches as the busiest process, because FSDP2's collectives need equal
+    counts. Every process also makes at least one, so that AdamW steps on zero gradients rather than on None.
+    Rows that would be left out fill the extra micro-batches, one row each."""
     chosen = moving[rows].to(rows.device)
-    moved, still = rows[chosen], rows[~chosen]
+    moved = rows[chosen]
+    still = rows[~chosen]
     micro_batches = [moved[i : i + micro_batch_size] for i in range(0, len(moved), micro_batch_size)]
-    n = max(int(all_reduced(torch.tensor(len(micro_batches), device=moving.device), dist.ReduceOp.MAX)), 1)
+    busiest = all_reduced(torch.tensor(len(micro_batches), device=moving.device), dist.ReduceOp.MAX)
+    n = max(int(busiest), 1)
     filled = n - len(micro_batches)
-    return micro_batches + [still[i : i + 1] for i in range(filled)], still[filled:]
+    fillers = [still[i : i + 1] for i in range(filled)]
+    return micro_batches + fillers, still[filled:]
 
 
 def token_weights(mask: torch.Tensor, loss_agg: str, counts=None, max_new_tokens: int = 0) -> torch.Tensor:
-    """Per-token weights w with sum(w * l) = the mini-batch's loss, whatever its micro-batches: counts = (tokens,
-    completions with a token) of the whole mini-batch, over every process (token_counts; default: this mask's)."""
-    tokens, completions = (token_counts(mask) if counts is None else counts).clamp(min=1)
+    """Per-token weights w such that sum(w * l) is the mini-batch's loss, whatever its micro-batches.
+
+    counts holds (tokens, completions with a token) of the whole mini-batch over every process, as
+    token_counts counts them. By default, counts are this mask's."""
+    if counts is None:
+        counts = token_counts(mask)
+    tokens, completions = counts.clamp(min=1)
     if loss_agg == "token_mean":  # DAPO (arXiv 2503.14476, eq. 8's 1/sum|o_i|): every token counts the same
         return mask / tokens
     if loss_agg == "seq_mean_token_mean":  # original GRPO: mean over completions of each one's token mean
@@ -467,14 +568,19 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================================ objectives
-# Each objective is a per-token loss l_t to minimise, from fp32 logp = log pi(a_t|s_t) (with gradient), logp_anchor =
-# the anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1) and its own thresholds (no Config). It
-# returns (l, blocked), blocked = the tokens whose gradient the trust region removed. pi comes first everywhere.
+# Each objective returns a per-token loss l_t to minimise, and `blocked`, the tokens whose gradient the
+# trust region removed. Its inputs are logp = log pi(a_t | s_t) (fp32, with gradient), logp_anchor = the
+# anchor's log-prob of the same token (mu as sampled, or pi_old), A (B, 1), and the objective's own
+# thresholds, never a Config. pi comes first everywhere.
 
 
 def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """--objective's per-token loss and blocked tokens, thresholds from its flags (the neighbours: after train)."""
-    logp, logp_anchor, A = pi.logp, anchor.logp, advantages
+    """The per-token loss and blocked tokens of --objective, with the thresholds from its flags.
+
+    The neighbours' objectives come after the training loop."""
+    logp = pi.logp
+    logp_anchor = anchor.logp
+    A = advantages
     clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     if cfg.objective == "pg":
         return pg_loss(logp, logp_anchor, A, is_cap=cfg.is_cap)
@@ -483,12 +589,14 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
         return ppo_clip_loss(logp, logp_anchor, A, **clip, dual_clip=cfg.dual_clip, **relaxed)
     elif cfg.objective in ("binary_tv", "binary_kl", "topk_tv", "topk_kl"):
         D = dppo_divergence(cfg.objective, pi, anchor)
-        return dppo_loss(logp, logp_anchor, A, D, delta_low=cfg.delta_low, delta_high=cfg.delta_high, is_cap=cfg.is_cap)
+        thresholds = dict(delta_low=cfg.delta_low, delta_high=cfg.delta_high, is_cap=cfg.is_cap)
+        return dppo_loss(logp, logp_anchor, A, D, **thresholds)
     elif cfg.objective == "dcpo":
         return dcpo_loss(logp, logp_anchor, A, **clip, r_max=cfg.dcpo_r_max, dual_clip=cfg.dual_clip)
     elif cfg.objective == "erc":
         band = dict(beta_low=cfg.erc_beta_low, beta_high=cfg.erc_beta_high)
-        return erc_loss(logp, logp_anchor, A, pi.entropy, anchor.entropy, **band, **clip, dual_clip=cfg.dual_clip)
+        ppo_clip = dict(**clip, dual_clip=cfg.dual_clip)
+        return erc_loss(logp, logp_anchor, A, pi.entropy, anchor.entropy, **band, **ppo_clip)
     elif cfg.objective == "cispo":
         return cispo_loss(logp, logp_anchor, A, **clip)
     elif cfg.objective == "gspo":
@@ -504,7 +612,9 @@ def objective_loss(cfg: Config, pi: LogProbs, anchor: LogProbs, advantages: torc
 
 
 def objective_needs(objective: str) -> dict:
-    """What objective_loss reads of pi and the anchor besides log p(a_t): p at mu's top-K ids; the entropy."""
+    """What objective_loss reads of pi and the anchor besides log p(a_t).
+
+    That is p at mu's top-K ids (for the top-K divergences), or the entropy (for erc)."""
     return dict(with_topk=objective in ("topk_tv", "topk_kl"), with_entropy=objective == "erc")
 
 
@@ -512,20 +622,28 @@ LOG_EPS = math.log(1e-12)
 
 
 def log_ratio(logp, logp_anchor):
-    """log r = log pi(a_t) - log anchor(a_t), the anchor's log-prob clamped at log 1e-12 so that r stays finite."""
+    """log r = log pi(a_t) - log anchor(a_t).
+
+    The anchor's log-prob is clamped at log 1e-12 (LOG_EPS), so that r stays finite."""
     return logp - logp_anchor.clamp(min=LOG_EPS)
 
 
 def pg_loss(logp, logp_anchor, advantages, is_cap=math.inf):
-    """No trust region, the DPPO paper's "PG-IS" control (arXiv 2602.04879); for r <= C, the gradient of -A * r:
-    l = -A * sg(min(r, C)) * log pi,   r = pi / anchor,   C = is_cap (inf: no cap)."""
+    """No trust region: the DPPO paper's "PG-IS" control (arXiv 2602.04879).
+
+        l = -A * sg(min(r, C)) * log pi,   r = pi / anchor,   C = is_cap (inf: no cap)
+
+    For r <= C, the gradient of l is the gradient of -A * r."""
     ratio = log_ratio(logp, logp_anchor).exp().detach()
     return -advantages * ratio.clamp(max=is_cap) * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 def clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip):
-    """PPO's clipped surrogate (arXiv 1707.06347, eq. 7) with dual-clip (arXiv 1912.09729); blocked: a clip binds.
-    l = max(-A*r, -A*clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A*c),   r = pi / anchor"""
+    """PPO's clipped surrogate (arXiv 1707.06347, eq. 7), with dual-clip (arXiv 1912.09729) for A < 0:
+
+        l = max(-A * r, -A * clip(r, ratio_low, ratio_high)),   and if A < 0: l = min(l, -A * c)
+
+    r = pi / anchor, and c = dual_clip. A token is blocked where a clip binds."""
     ratio = log_ratio(logp, logp_anchor).exp()
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(ratio_low, ratio_high))
     loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
@@ -537,24 +655,34 @@ def clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual
 def ppo_clip_loss(
     logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, dual_clip=10.0, relax="none", relax_below=0.1
 ):
-    """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8): r in [1 - eps_low, 1 + eps_high].
-    relax (the DPPO paper's relaxed clip, its section 6): a token with anchor(a_t) < relax_below escapes that bound."""
+    """PPO/GRPO with DAPO's decoupled clip-higher bounds (arXiv 2503.14476, eq. 8).
+
+    r is clipped to [1 - eps_low, 1 + eps_high], with eps_low = clip_low and eps_high = clip_high. relax
+    is the DPPO paper's relaxed clip (its section 6): a token with anchor(a_t) < relax_below escapes the
+    bounds that relax names."""
     if relax not in ("none", "high", "low", "both"):
         raise ValueError(f"ppo_clip_loss: relax must be none, high, low or both, got {relax!r}")
-    ratio_low, ratio_high = 1 - clip_low, 1 + clip_high
+    ratio_low = 1 - clip_low
+    ratio_high = 1 + clip_high
     if relax != "none":
         rare = logp_anchor.detach().exp() < relax_below
-        ratio_low = torch.where(rare & (relax in ("low", "both")), 0.0, torch.full_like(logp_anchor, ratio_low))
-        ratio_high = torch.where(rare & (relax in ("high", "both")), math.inf, torch.full_like(logp_anchor, ratio_high))
+        escapes_low = rare & (relax in ("low", "both"))
+        ratio_low = torch.where(escapes_low, 0.0, torch.full_like(logp_anchor, ratio_low))
+        escapes_high = rare & (relax in ("high", "both"))
+        ratio_high = torch.where(escapes_high, math.inf, torch.full_like(logp_anchor, ratio_high))
     return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
 
 
 def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_high=0.15, is_cap=math.inf):
-    """DPPO (arXiv 2602.04879, eqs. 11-12): l = -A * sg(min(r, C)) * M * log pi,  r = pi / anchor (mu as sampled).
-    The mask M blocks a token only when it moves *away* from the anchor past delta, never back however large D:
+    """DPPO (arXiv 2602.04879, eqs. 11-12), with r = pi / anchor and the anchor mu as sampled:
+
+        l = -A * sg(min(r, C)) * M * log pi
         M = 0  iff  (A > 0 and r > 1 and D > delta_high)  or  (A < 0 and r < 1 and D > delta_low)
-    D (no gradient) is the divergence of anchor(. | s_t) and pi(. | s_t): binary_tv, binary_kl, topk_tv or topk_kl.
-    Returns (l, blocked), blocked = 1 - M: every objective's second value is its eq. 11 mask's complement."""
+
+    The mask M blocks a token only when the token moves *away* from the anchor past delta. It never blocks a
+    token that moves back, however large D is. D is the divergence (no gradient) between anchor(. | s_t) and
+    pi(. | s_t): binary_tv, binary_kl, topk_tv or topk_kl. Returns (l, blocked), where blocked = 1 - M.
+    Every objective returns blocked in this sense as its second value: the complement of its eq. 11 mask."""
     log_r = log_ratio(logp, logp_anchor).detach()
     too_far_up = (advantages > 0) & (log_r > 0) & (divergence > delta_high)
     too_far_down = (advantages < 0) & (log_r < 0) & (divergence > delta_low)
@@ -563,116 +691,172 @@ def dppo_loss(logp, logp_anchor, advantages, divergence, delta_low=0.15, delta_h
 
 
 def dppo_divergence(objective: str, pi: LogProbs, anchor: LogProbs) -> torch.Tensor:
-    """D for a DPPO objective: anchor(. | s_t) and pi(. | s_t) coarsened to {a_t, the rest} or {top K, the rest}."""
+    """D for a DPPO objective, between anchor(. | s_t) and pi(. | s_t).
+
+    Both distributions are coarsened to {a_t, the rest} (binary_*) or to {mu's top K, the rest} (topk_*)."""
     divergence = dict(binary_tv=binary_tv, binary_kl=binary_kl, topk_tv=topk_tv, topk_kl=topk_kl)[objective]
     if objective.startswith("binary_"):
         return divergence(logp=pi.logp, logp_anchor=anchor.logp)
     return divergence(topk_logp=pi.topk_logp, topk_logp_anchor=anchor.topk_logp)
 
 
-# DPPO's divergences (arXiv 2602.04879, eqs. 13-14; top-K: its appendix): TV or KL of the anchor's and pi's next-token
-# distributions coarsened to {a_t, the rest} or {mu's top-K ids, the rest}, so binary <= top-K <= full vocabulary.
-# No gradient. The KLs are KL(anchor || pi); their log-probs are keyword-only, so pi and the anchor cannot be swapped.
+# DPPO's divergences (arXiv 2602.04879, eqs. 13-14; the top-K ones: its appendix). Each is the TV or the KL
+# between the next-token distributions of the anchor and of pi, coarsened to {a_t, the rest} or to {mu's
+# top-K ids, the rest}. So binary <= top-K <= full vocabulary. They have no gradient. The KLs are
+# KL(anchor || pi). Their log-probs are keyword-only arguments, so that pi and the anchor cannot be swapped.
 
 
 @torch.no_grad()
 def binary_tv(*, logp, logp_anchor):
-    """D = |p - q|, p = pi(a_t), q = anchor(a_t): TV over {a_t, the rest}, whose two cells differ by the same."""
+    """D = |p - q|, where p = pi(a_t) and q = anchor(a_t).
+
+    This is the TV over {a_t, the rest}: both cells differ by |p - q|, and the TV is half the sum."""
     return (logp.exp() - logp_anchor.exp()).abs()
 
 
 @torch.no_grad()
 def binary_kl(*, logp, logp_anchor):
-    """D = q log(q/p) + (1-q) log((1-q)/(1-p)), p = pi(a_t), q = anchor(a_t): KL(anchor || pi) over {a_t, the rest}."""
-    return partition_kl(logp=with_rest(logp.unsqueeze(-1)), logp_anchor=with_rest(logp_anchor.unsqueeze(-1)))
+    """D = q log(q / p) + (1 - q) log((1 - q) / (1 - p)), where p = pi(a_t) and q = anchor(a_t).
+
+    This is KL(anchor || pi) over {a_t, the rest}."""
+    cells = with_rest(logp.unsqueeze(-1))
+    cells_anchor = with_rest(logp_anchor.unsqueeze(-1))
+    return partition_kl(logp=cells, logp_anchor=cells_anchor)
 
 
 @torch.no_grad()
 def topk_tv(*, topk_logp, topk_logp_anchor):
-    """D = 1/2 (sum_{a in S} |q(a) - p(a)| + |q(other) - p(other)|), S = mu's top-K ids, the sampled token included."""
+    """D = 1/2 (sum_{a in S} |q(a) - p(a)| + |q(other) - p(other)|).
+
+    p is pi and q is the anchor. S is mu's top-K ids, the sampled token included, and "other" is the rest of
+    the vocabulary. This is TV(anchor, pi) over S and the rest."""
     return partition_tv(logp=with_rest(topk_logp), logp_anchor=with_rest(topk_logp_anchor))
 
 
 @torch.no_grad()
 def topk_kl(*, topk_logp, topk_logp_anchor):
-    """D = sum_{a in S} q(a) log(q(a)/p(a)) + q(other) log(q(other)/p(other)): KL(anchor || pi) over S and the rest."""
+    """D = sum_{a in S} q(a) log(q(a) / p(a)) + q(other) log(q(other) / p(other)).
+
+    p is pi and q is the anchor. S is mu's top-K ids, the sampled token included, and "other" is the rest of
+    the vocabulary. This is KL(anchor || pi) over S and the rest."""
     return partition_kl(logp=with_rest(topk_logp), logp_anchor=with_rest(topk_logp_anchor))
 
 
 def with_rest(logp: torch.Tensor) -> torch.Tensor:
-    """Log-probs of a partition's cells: the given outcomes (last axis) plus 'the rest' = 1 - their sum."""
-    rest = (-torch.expm1(logp.logsumexp(-1, keepdim=True))).clamp(min=1e-12).log()  # log(1 - p), accurate near p = 1
+    """Log-probs of a partition's cells: the given outcomes (last axis), plus "the rest" = 1 - their sum."""
+    # log(1 - p), computed with expm1 so that it stays accurate near p = 1.
+    rest = (-torch.expm1(logp.logsumexp(-1, keepdim=True))).clamp(min=1e-12).log()
     return torch.cat([logp, rest], dim=-1)
 
 
 def partition_tv(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
-    """TV(anchor, pi) = 1/2 sum_cells |anchor(cell) - pi(cell)|, cells on the last axis."""
+    """TV(anchor, pi) = 1/2 sum_cells |anchor(cell) - pi(cell)|.
+
+    The cells are on the last axis."""
     return 0.5 * (logp_anchor.exp() - logp.exp()).abs().sum(-1)
 
 
 def partition_kl(*, logp: torch.Tensor, logp_anchor: torch.Tensor) -> torch.Tensor:
-    """KL(anchor || pi) = sum_cells anchor(cell) log(anchor(cell) / pi(cell)), cells on the last axis."""
-    logp_anchor, logp = logp_anchor.clamp(min=LOG_EPS), logp.clamp(min=LOG_EPS)
+    """KL(anchor || pi) = sum_cells anchor(cell) log(anchor(cell) / pi(cell)).
+
+    The cells are on the last axis."""
+    logp_anchor = logp_anchor.clamp(min=LOG_EPS)
+    logp = logp.clamp(min=LOG_EPS)
     return (logp_anchor.exp() * (logp_anchor - logp)).sum(-1)
 
 
 # ============================================================================ pi's log-probs
 
-LOGITS_CHUNK = 2**26  # pi's output layer computes at most this many positions x vocabulary entries at once (256 MiB)
-LOGITS_KEPT = 2**30  # a pass with more logits than this recomputes each chunk in backward instead of keeping it (4 GiB)
+# pi's output layer computes at most this many logits at once, counted as positions x vocabulary (256 MiB
+# in fp32).
+LOGITS_CHUNK = 2**26
+# A pass with gradient and more logits than this (4 GiB in fp32) recomputes each chunk's logits in backward,
+# instead of keeping them.
+LOGITS_KEPT = 2**30
 
 
 def policy_logprobs(model, batch, temperature, precision="fp32", with_topk=False, with_entropy=False) -> LogProbs:
-    """One teacher-forced pass over a batch (a Rollout's fields): log pi(a_t | s_t) (B, T), fp32, with gradient. In
-    plain torch, with x = the prompts and completions side by side and T the completions' width:
+    """log pi(a_t | s_t) (B, T) in fp32 with gradient, from one teacher-forced pass over a batch.
+
+    The batch has a Rollout's fields. Let x be the prompts and completions side by side, and T the width
+    of the completions. In plain torch:
 
         logits = model(x).logits[:, -T - 1 : -1].float() / temperature  # the positions that predict a_1 .. a_T
         logp = logits.log_softmax(-1).gather(-1, batch.completion_ids[..., None]).squeeze(-1)
 
-    This computes the same without the (B, T, V) logits: the output layer runs a chunk of positions at a time
-    (logprobs_in_chunks). Without gradient, if asked: log pi at mu's top-K ids (B, T, K) and the entropy (B, T)."""
+    This function computes the same without the (B, T, V) logits: the output layer runs on a chunk of
+    positions at a time (logprobs_in_chunks). If asked, it also computes, without gradient, log pi at
+    mu's top-K ids (B, T, K) and the entropy (B, T)."""
     T = batch.completion_ids.shape[1]
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # from each row's first real token, as generate()'s
-    no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)  # the output layer runs in chunks instead
+    # Positions count from each row's first real token, as generate() counts them.
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    # The model keeps no logits: logprobs_in_chunks runs the output layer in chunks instead.
+    no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     hidden_states_only = dict(use_cache=False, logits_to_keep=no_logits, output_hidden_states=True)
     with autocast(model, precision):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **hidden_states_only)
-        hidden = out.hidden_states[-1][:, -T - 1 : -1]  # after the final norm, at the positions that predict a_1 .. a_T
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out = model(**inputs, **hidden_states_only)
+        # The last hidden states (after the final norm), at the positions that predict a_1 .. a_T.
+        hidden = out.hidden_states[-1][:, -T - 1 : -1]
         topk_ids = batch.topk_ids if with_topk else None
-        logits = OutputLogits(model)  # the output layer and what the model's forward applies after it (plumbing)
+        # The output layer, and what the model's forward applies after it (OutputLogits, in the plumbing).
+        logits = OutputLogits(model)
         return logprobs_in_chunks(logits, hidden, batch.completion_ids, topk_ids, temperature, with_entropy)
 
 
 def logprobs_in_chunks(logits_of, hidden, targets, topk_ids, temperature, with_entropy) -> LogProbs:
-    """LogProbs at (B, T) targets from the hidden states that predict them, the output layer LOGITS_CHUNK logits at a
-    time; when a pass with gradient holds more than LOGITS_KEPT logits, each chunk's are recomputed in backward."""
+    """LogProbs at (B, T) targets, from the hidden states that predict them.
+
+    The output layer computes LOGITS_CHUNK logits at a time. When a pass with gradient holds more than
+    LOGITS_KEPT logits, each chunk's logits are recomputed in backward instead of kept."""
     B, T = targets.shape
     n = max(1, LOGITS_CHUNK // logits_of.vocab_size)  # positions per chunk
     recompute = torch.is_grad_enabled() and B * T * logits_of.vocab_size > LOGITS_KEPT
-    hidden, targets = hidden.reshape(B * T, -1).split(n), targets.reshape(B * T).split(n)
-    topk_ids = topk_ids.reshape(B * T, -1).split(n) if topk_ids is not None else [None] * len(targets)
-    in_chunk = functools.partial(checkpoint, chunk_logprobs, use_reentrant=False) if recompute else chunk_logprobs
-    chunks = [in_chunk(logits_of, *args, temperature, with_entropy) for args in zip(hidden, targets, topk_ids)]
-    logp, topk_logp, entropy = ([chunk[i] for chunk in chunks] for i in range(3))
+    hidden = hidden.reshape(B * T, -1).split(n)
+    targets = targets.reshape(B * T).split(n)
+    if topk_ids is not None:
+        topk_ids = topk_ids.reshape(B * T, -1).split(n)
+    else:
+        topk_ids = [None] * len(targets)
+    in_chunk = chunk_logprobs
+    if recompute:
+        in_chunk = functools.partial(checkpoint, chunk_logprobs, use_reentrant=False)
+    logp = []
+    topk_logp = []
+    entropy = []
+    for args in zip(hidden, targets, topk_ids):
+        chunk_logp, chunk_topk_logp, chunk_entropy = in_chunk(logits_of, *args, temperature, with_entropy)
+        logp.append(chunk_logp)
+        topk_logp.append(chunk_topk_logp)
+        entropy.append(chunk_entropy)
     topk_logp = torch.cat(topk_logp).unflatten(0, (B, T)) if topk_ids[0] is not None else None
-    return LogProbs(torch.cat(logp).view(B, T), topk_logp, torch.cat(entropy).view(B, T) if with_entropy else None)
+    entropy = torch.cat(entropy).view(B, T) if with_entropy else None
+    return LogProbs(torch.cat(logp).view(B, T), topk_logp, entropy)
 
 
 def chunk_logprobs(logits_of, hidden, targets, topk_ids, temperature, with_entropy):
-    """log pi = logit/tau - logsumexp(logits/tau), fp32, at N positions' targets; at topk_ids and the entropy no grad"""
+    """log pi = logit / tau - logsumexp(logits / tau) in fp32, at the targets of N positions.
+
+    If asked, log pi at topk_ids and the entropy are also computed, without gradient."""
     logits = logits_of(hidden) / temperature
     log_normaliser = logits.logsumexp(-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
     with torch.no_grad():
-        topk_logp = logits.gather(-1, topk_ids) - log_normaliser[:, None] if topk_ids is not None else None
-        entropy = entropy_from_logits(logits, log_normaliser) if with_entropy else None
+        topk_logp = None
+        if topk_ids is not None:
+            topk_logp = logits.gather(-1, topk_ids) - log_normaliser[:, None]
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits, log_normaliser)
     return logp, topk_logp, entropy
 
 
 def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> torch.Tensor:
-    """H = -sum p log p = log Z - sum p * logit over the last axis; p is the only (N, V) copy, used in place."""
+    """H = -sum p log p = log Z - sum p * logit, over the last axis, where log Z is the log normaliser.
+
+    p is the only (N, V) copy, and it is reused in place."""
     p = (logits - log_normaliser[:, None]).exp_()
     return log_normaliser - p.mul_(logits).sum(-1)
 
@@ -681,19 +865,28 @@ def entropy_from_logits(logits: torch.Tensor, log_normaliser: torch.Tensor) -> t
 
 
 def evaluate(model, tokenizer, problems, cfg: Config) -> dict:
-    """Greedy held-out accuracy and the share of greedy answers cut at --max_new_tokens; with --eval_samples k also
-    avg@k, the mean accuracy of k samples a problem at the sampling temperature (DPPO's, CPPO's avg@16), and pass@k."""
-    mine, k = this_process_share(problems, interleaved=True), cfg.eval_samples
-    totals = torch.zeros(4, dtype=torch.float64, device=model.device)  # greedy, avg@k, pass@k, cut short: added up
+    """Greedy held-out accuracy, and the share of greedy answers cut at --max_new_tokens.
+
+    With --eval_samples k, it also measures avg@k and pass@k. avg@k is the mean accuracy of k samples a
+    problem at the sampling temperature (DPPO's and CPPO's avg@16)."""
+    mine = this_process_share(problems, interleaved=True)
+    k = cfg.eval_samples
+    # The sums, over problems, of greedy accuracy, avg@k, pass@k, and greedy answers cut short.
+    totals = torch.zeros(4, dtype=torch.float64, device=model.device)
+    # Evaluation draws from its own random stream, so that training samples what it would without evaluation.
     own_random_stream = torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device])
-    with full_weights(model), autocast(model, cfg.precision), own_random_stream:  # training samples as without it
+    with full_weights(model), autocast(model, cfg.precision), own_random_stream:
         for start in range(0, len(mine), cfg.eval_batch_size):
             batch = mine[start : start + cfg.eval_batch_size]
             right, cut_short = rewards_of(model, tokenizer, batch, cfg, do_sample=False)
-            totals[0::3] += torch.tensor([sum(right), sum(cut_short)], dtype=totals.dtype, device=totals.device)
+            counts = torch.tensor([sum(right), sum(cut_short)], dtype=totals.dtype, device=totals.device)
+            totals[0::3] += counts  # totals[0] and totals[3]: greedy accuracy and greedy answers cut short
             if k:
-                samples = [problem for problem in batch for _ in range(k)]
-                right = torch.tensor(rewards_of(model, tokenizer, samples, cfg, **sampling(cfg))[0]).view(-1, k)
+                samples = []  # each problem k times in a row
+                for problem in batch:
+                    samples += [problem] * k
+                right_of_samples, _ = rewards_of(model, tokenizer, samples, cfg, **sampling(cfg))
+                right = torch.tensor(right_of_samples).view(-1, k)
                 totals[1] += right.mean(1).sum()
                 totals[2] += sum(pass_at_k(k, int(correct), k) for correct in right.sum(1))
     greedy, avg, passed, cut_short = (all_reduced(totals) / len(problems)).tolist()
@@ -702,16 +895,24 @@ def evaluate(model, tokenizer, problems, cfg: Config) -> dict:
 
 
 def rewards_of(model, tokenizer, problems: list[dict], cfg: Config, **decoding) -> tuple[list[float], list[bool]]:
-    """One completion per problem, decoded as `decoding` says: its 0/1 reward, and whether it ended without EOS."""
+    """Samples one completion per problem, decoded as `decoding` says.
+
+    Returns the 0/1 reward of each completion, and whether the completion ended without EOS."""
     prompts = [format_prompt(tokenizer, p["question"]) for p in problems]
     _, ids, mask = generate(model, tokenizer, prompts, cfg, **decoding)
-    cut_short = ~torch.isin(ids, torch.tensor(model.generation_config.eos_token_id, device=ids.device)).any(1)
+    eos = torch.tensor(model.generation_config.eos_token_id, device=ids.device)
+    cut_short = ~torch.isin(ids, eos).any(1)
     texts = decode(tokenizer, ids, mask)
-    return [reward(text, extract_gold(p["answer"])) for text, p in zip(texts, problems)], cut_short.tolist()
+    rewards = []
+    for text, problem in zip(texts, problems):
+        rewards.append(reward(text, extract_gold(problem["answer"])))
+    return rewards, cut_short.tolist()
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
-    """The unbiased pass@k of Chen et al. 2021 (arXiv 2107.03374, eq. 1): 1 - C(n - c, k) / C(n, k), c of n right."""
+    """The unbiased pass@k of Chen et al. 2021 (arXiv 2107.03374, eq. 1): 1 - C(n - c, k) / C(n, k).
+
+    Of the n samples, c = correct are right."""
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
@@ -719,8 +920,11 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out, run: "Run") -> float:
-    """RL steps, each logged; greedy held-out accuracy before the first step, every --eval_every steps and after the
-    last; a checkpoint every --save_every steps or on Ctrl-C; the model saved at the end. Returns the last accuracy."""
+    """Runs the RL steps and logs each one. Returns the last held-out accuracy.
+
+    The greedy held-out accuracy is measured before the first step, every --eval_every steps, and after
+    the last step. A checkpoint is written every --save_every steps and on Ctrl-C. The model is saved at
+    the end."""
     if run.initial_accuracy is None:
         run.initial_accuracy = run.log(0, evaluate(model, tokenizer, held_out, cfg))["eval/accuracy"]
     accuracy = run.initial_accuracy
@@ -728,7 +932,8 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
         STEP_CLOCK.restart(model.device)  # times the step's rollout and update (see timed)
         try:
             metrics = rl_step(step, model, sampler, tokenizer, optimizer, problems, run, cfg)
-        except FloatingPointError as error:  # that optimizer step was not taken: save the model as it is, and stop
+        except FloatingPointError as error:
+            # The optimizer step that failed was not taken. Save the model as it is, and stop.
             save_model(model, tokenizer, run.output_dir)
             run.log(step, {"stopped_nonfinite": 1})  # a study's record of where the run broke
             leave_after_rank_0(
@@ -743,34 +948,38 @@ def train(cfg: Config, model, sampler, tokenizer, optimizer, problems, held_out,
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             save_checkpoint(run, model, tokenizer, optimizer, step)
         if stop:
-            leave_after_rank_0(
-                f"dppo.py: interrupted after step {step}; continue with the same flags and --resume {run.output_dir}"
-            )
+            resume = f"continue with the same flags and --resume {run.output_dir}"
+            leave_after_rank_0(f"dppo.py: interrupted after step {step}; {resume}")
     save_model(model, tokenizer, run.output_dir)
     return accuracy
 
 
-# ============================================================================ the neighbours and the paper's ablation
-# Not DPPO nor its baseline: the trust regions the DPPO paper and its sequels compare against, which objective_loss
-# picks by --objective, and the paper's ablation, the trust region anchored to pi_old (rl_step's --recompute_old).
+# ============================================================================ neighbours and the ablation
+# What follows is neither DPPO nor its baseline. The neighbours are the trust regions that the DPPO
+# paper and its sequels compare against; objective_loss picks one by --objective. The paper's ablation
+# anchors the trust region to pi_old (rl_step's --recompute_old).
 
 
-# -------- DCPO (arXiv 2509.02333): smooth advantages (--advantage sas) and a clip whose bounds depend on the anchor
+# -------- DCPO (arXiv 2509.02333): smooth advantages (--advantage sas), and clip bounds from anchor(a_t)
 
 
 def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, history: dict) -> torch.Tensor:
-    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333): history[key] = (visits i, mean_tot, std_tot) of
-    a prompt's rewards over its visits, equally weighted, updated in place; on visit i, the group's mean_new, std_new:
+    """DCPO's Smooth Advantage Standardization (arXiv 2509.02333).
+
+    history[key] = (visits i, mean_tot, std_tot) holds the statistics of a prompt's rewards over all its
+    visits, equally weighted. It is updated in place. On visit i, with the group's mean_new and std_new:
         A_new = (R - mean_new) / std_new          A_tot = (R - mean_tot) / std_tot       (0 where std = 0)
         SA_new = (i-1)/i * A_new + 1/i * A_tot    SA_tot = 1/i * A_new + (i-1)/i * A_tot
-        A = whichever of SA_new, SA_tot is smaller in magnitude (a tie goes to SA_tot)."""
+    A is whichever of SA_new and SA_tot is smaller in magnitude. A tie goes to SA_tot."""
     advantages = []
     for key, R in zip(prompt_keys, rewards.view(-1, group_size)):
-        mean_new, std_new = R.mean().item(), R.std().item()
+        mean_new = R.mean().item()
+        std_new = R.std().item()
         visits, mean_old, std_old = history.get(key, (0, 0.0, 0.0))
         i = visits + 1
         mean_tot = (visits * mean_old + mean_new) / i
-        std_tot = math.sqrt((visits * std_old**2 + std_new**2 + (visits / i) * (mean_new - mean_old) ** 2) / i)
+        variance_tot = (visits * std_old**2 + std_new**2 + (visits / i) * (mean_new - mean_old) ** 2) / i
+        std_tot = math.sqrt(variance_tot)
         history[key] = (i, mean_tot, std_tot)
         A_new = (R - mean_new) / std_new if std_new > 0 else torch.zeros_like(R)
         A_tot = (R - mean_tot) / std_tot if std_tot > 0 else torch.zeros_like(R)
@@ -781,15 +990,20 @@ def sas_advantages(rewards: torch.Tensor, group_size: int, prompt_keys: list, hi
 
 
 def dcpo_bounds(q, eps_low=0.2, eps_high=0.28, r_max=10.0):
-    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4): the roots of |r (r - 1)| * q <= eps, q = anchor(a_t):
-    r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0)),   r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
+    """DCPO's token-specific bounds (arXiv 2509.02333, eq. 4), where q = anchor(a_t).
+
+    The bounds are the roots of |r (r - 1)| * q <= eps:
+        r_low = 1/2 + 1/2 sqrt(max(1 - 4 eps_low / q, 0))
+        r_high = min(1/2 + 1/2 sqrt(1 + 4 eps_high / q), r_max)"""
     ratio_low = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0))
     ratio_high = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=r_max)
     return ratio_low, ratio_high
 
 
 def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max=10.0, dual_clip=10.0):
-    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q), q = anchor(a_t), no gradient."""
+    """DCPO's dynamic adaptive clipping: the clipped surrogate between dcpo_bounds(q).
+
+    q = anchor(a_t), without gradient."""
     ratio_low, ratio_high = dcpo_bounds(logp_anchor.exp().detach(), clip_low, clip_high, r_max)
     return clipped_surrogate(logp, logp_anchor, advantages, ratio_low, ratio_high, dual_clip)
 
@@ -798,54 +1012,70 @@ def dcpo_loss(logp, logp_anchor, advantages, clip_low=0.2, clip_high=0.28, r_max
 
 
 def erc_loss(logp, logp_anchor, advantages, entropy_pi, entropy_anchor, beta_low=0.05, beta_high=0.05, **clip):
-    """Entropy Ratio Clipping (arXiv 2512.05591) on ppo_clip (clip: its clip_low, clip_high, dual_clip), no gradient
-    through rho = (H_pi + 1e-8) / (H_anchor + 1e-8):
-    l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, sg(l_ppo_clip) elsewhere.  Blocked: clipped or out."""
+    """Entropy Ratio Clipping (arXiv 2512.05591), on top of ppo_clip.
+
+    clip holds ppo_clip's clip_low, clip_high and dual_clip. H_pi and H_anchor are the entropies of pi
+    and of the anchor at s_t, and rho = (H_pi + 1e-8) / (H_anchor + 1e-8) has no gradient:
+        l = l_ppo_clip where 1 - beta_low < rho < 1 + beta_high, and sg(l_ppo_clip) elsewhere
+    A token is blocked where the clip binds or rho is outside that band."""
     loss, clipped = ppo_clip_loss(logp, logp_anchor, advantages, **clip)
     kept = entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high)
     return torch.where(kept, loss, loss.detach()), clipped | ~kept
 
 
 def entropy_ratio_kept(entropy_pi, entropy_anchor, beta_low, beta_high):
+    """The tokens whose entropy ratio rho is inside ERC's band (1 - beta_low, 1 + beta_high)."""
     rho = (entropy_pi + 1e-8) / (entropy_anchor + 1e-8)
     return (rho > 1 - beta_low) & (rho < 1 + beta_high)
 
 
 def cispo_loss(logp, logp_anchor, advantages, clip_low=1.0, clip_high=4.0):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token (no block):
-    l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor"""
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): the importance weight is clipped, never the token.
+
+        l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi,   r = pi / anchor
+
+    eps_low = clip_low and eps_high = clip_high. No token is blocked."""
     weight = cispo_weight(logp, logp_anchor, clip_low, clip_high)
     return -weight * advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 @torch.no_grad()
 def cispo_weight(logp, logp_anchor, clip_low=1.0, clip_high=4.0):
-    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), r = pi / anchor."""
+    """CISPO's importance weight clip(r, 1 - eps_low, 1 + eps_high), where r = pi / anchor."""
     return log_ratio(logp, logp_anchor).exp().clamp(1 - clip_low, 1 + clip_high)
 
 
 def gspo_loss(logp, logp_anchor, advantages, mask, clip_low=3e-4, clip_high=4e-4):
-    """GSPO (arXiv 2507.18071, GSPO-token): one ratio per completion, blocked on all its tokens where the clip binds:
-    s_i = exp(mean_t log(pi / anchor)) over its real tokens,   s_it = sg(s_i) * pi(y_it) / sg(pi(y_it)),
-    l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
+    """GSPO (arXiv 2507.18071), in its GSPO-token form: one ratio s_i per completion i.
+
+    y_it is token t of completion i. Where the clip binds, all the tokens of the completion are blocked:
+        s_i = exp(mean_t log(pi / anchor)), the mean over the completion's real tokens
+        s_it = sg(s_i) * pi(y_it) / sg(pi(y_it))
+        l_it = max(-A * s_it, -A * clip(s_it, 1 - eps_low, 1 + eps_high))"""
     real = mask.bool()
-    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)  # padding neither enters the mean nor can poison it
+    # Padding neither enters the mean nor can poison it.
+    log_r = torch.where(real, log_ratio(logp, logp_anchor), 0.0)
     log_s = log_r.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
     s = torch.exp(log_s.detach() + torch.where(real, logp - logp.detach(), 0.0))
     loss = torch.maximum(-advantages * s, -advantages * s.clamp(1 - clip_low, 1 + clip_high))
-    blocked = ((advantages > 0) & (s.detach() > 1 + clip_high)) | ((advantages < 0) & (s.detach() < 1 - clip_low))
-    return loss, blocked & real
+    clipped_up = (advantages > 0) & (s.detach() > 1 + clip_high)
+    clipped_down = (advantages < 0) & (s.detach() < 1 - clip_low)
+    return loss, (clipped_up | clipped_down) & real
 
 
-# -------- DPPO's sequels, by the DPPO authors' group (2026; their code: Tencent-Hunyuan/UniRL, unirl/algorithms/): both
-# keep binary TV against the anchor and change how a token that moves away from it is treated.
+# -------- DPPO's sequels, by the DPPO authors' group (2026). Their code is Tencent-Hunyuan/UniRL,
+# unirl/algorithms/. Both sequels keep binary TV against the anchor, and change how they treat a token
+# that moves away from the anchor.
 
 
 def drpo_loss(logp, logp_anchor, advantages, delta=12.5):
-    """DRPO (arXiv 2606.09821, section 3, eq. 8): DPPO's binary-TV mask becomes a smooth advantage-weighted quadratic
-    penalty on r = pi / anchor, gradient through r only (log r clamped to [-20, 20], as UniRL):
+    """DRPO (arXiv 2606.09821, section 3, eq. 8): DPPO's binary-TV mask becomes a smooth penalty on r.
+
+    r = pi / anchor, as everywhere. The penalty is quadratic and weighted by |A|. Its gradient flows
+    through r only, with log r clamped to [-20, 20], as in UniRL:
         l = -A * r + |A| * q * (r - 1)^2 / (2 delta),   q = anchor(a_t)
-    Its gradient (eq. 9) is -A * r * w * grad log pi, w = drpo_weight: no token is cut; blocked: w <= 0."""
+    The gradient of l (eq. 9) is -A * r * w * grad log pi, where w = drpo_weight. No token is cut. A token
+    counts as blocked where w <= 0."""
     ratio = log_ratio(logp, logp_anchor).clamp(-20.0, 20.0).exp()
     q = logp_anchor.detach().clamp(min=LOG_EPS).exp()
     loss = -advantages * ratio + advantages.abs() * q * (ratio - 1) ** 2 / (2 * delta)
@@ -854,28 +1084,39 @@ def drpo_loss(logp, logp_anchor, advantages, delta=12.5):
 
 @torch.no_grad()
 def drpo_weight(logp, logp_anchor, advantages, delta=12.5):
-    """DRPO's gradient weight (its Table 1), w = 1 - sign(A (r - 1)) * |pi - anchor| / delta: below 1 for a token
-    moving away from the anchor, negative past D = delta, above 1 for one moving back."""
+    """DRPO's gradient weight (its Table 1): w = 1 - sign(A (r - 1)) * |pi - anchor| / delta.
+
+    w is below 1 for a token that moves away from the anchor, and negative past D = delta. w is above 1
+    for a token that moves back."""
     moving_away = torch.sign(advantages * log_ratio(logp, logp_anchor))
     return 1 - moving_away * binary_tv(logp=logp, logp_anchor=logp_anchor.clamp(min=LOG_EPS)) / delta
 
 
 def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_b_min=0.02, is_cap=math.inf):
-    """CPPO (arXiv 2606.10968, eqs. 8-11 and Algorithm 1; delta_b: eq. 22): DPPO's binary-TV mask, stricter early in
-    a completion and with a budget on the divergence its prefix has spent. Per completion, over its own T real tokens
-    t = 1..T, D_t = |pi - anchor| of a_t (no gradient, fp32):
-        w_t = 1 - (1 - w_min) (t - 1) / (T - 1),   Z_t = w_t D_t,   S, W = sums of Z, w over the tokens before t
-        delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min),   c_t = min(delta, delta + delta_b W - S)
+    """CPPO (arXiv 2606.10968, eqs. 8-11 and Algorithm 1; delta_b: eq. 22).
+
+    CPPO keeps DPPO's binary-TV mask, makes it stricter early in a completion, and puts a budget on the
+    divergence that the completion's prefix has spent. Each completion is taken over its own T real tokens
+    t = 1..T, and D_t = |pi - anchor| at a_t (fp32, no gradient):
+        w_t = 1 - (1 - w_min) (t - 1) / (T - 1),   Z_t = w_t D_t
+        S, W = the sums of Z and of w over the tokens before t
+        delta_b = clamp(quantile_0.9(D_1..D_T), delta_b_min, 2 delta_b_min)
+        c_t = min(delta, delta + delta_b W - S)
         l = -A * sg(min(r, C)) * M * log pi,   M = 0 iff A (r - 1) > 0 (moving away) and Z_t > c_t"""
     real = mask.detach() > 0
-    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())  # the mask in fp32, whatever the input
+    # The mask is computed in fp32, whatever the input's dtype.
+    log_r = log_ratio(logp.detach().float(), logp_anchor.detach().float())
     with torch.no_grad():
         T = real.sum(-1, keepdim=True)  # each completion's own length, its first EOS included
-        w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real  # padding: 0, and in no sum
+        # w is 0 on padding, so that padding enters no sum.
+        w = (1 - (1 - w_min) * (real.cumsum(-1) - 1) / (T - 1).clamp(min=1)) * real
         D = binary_tv(logp=logp.float(), logp_anchor=logp_anchor.float().clamp(min=LOG_EPS)) * real
         Z = w * D
-        S, W = Z.cumsum(-1) - Z, w.cumsum(-1) - w  # over the tokens before t, kept or blocked
-        quantile = torch.nanquantile(torch.where(real, D, math.nan), 0.9, dim=-1, keepdim=True)  # linear, as UniRL
+        # S and W sum over the tokens before t, whether those were kept or blocked.
+        S = Z.cumsum(-1) - Z
+        W = w.cumsum(-1) - w
+        # nanquantile leaves out the padding, and interpolates linearly, as UniRL does.
+        quantile = torch.nanquantile(torch.where(real, D, math.nan), 0.9, dim=-1, keepdim=True)
         delta_b = quantile.clamp(delta_b_min, 2 * delta_b_min)
         c = (delta + delta_b * W - S).clamp(max=delta)
         blocked = real & (advantages * log_r > 0) & (Z > c)
@@ -883,16 +1124,19 @@ def cppo_loss(logp, logp_anchor, advantages, mask, delta=0.15, w_min=0.8, delta_
     return torch.where(real & ~blocked, -advantages * ratio * logp, 0.0), blocked
 
 
-# -------- IPO (prime-rl, PrimeIntellect-ai/prime-rl, ipo_loss_fn; no paper): DPPO's binary TV without the sign
+# -------- IPO (prime-rl, PrimeIntellect-ai/prime-rl, ipo_loss_fn; no paper): DPPO's binary TV, no sign
 
 
 def ipo_loss(logp, logp_anchor, advantages, eps=0.3, kl_tau=0.0):
-    """IPO, prime-rl's trust region since its pull request #3418 (2026-08). It keeps DPPO's binary-TV divergence
-    D = |pi(a_t) - anchor(a_t)| but blocks a token whatever A and whichever way it moved:
+    """IPO, prime-rl's trust region since its pull request #3418 (2026-08).
+
+    IPO keeps DPPO's binary-TV divergence D = |pi(a_t) - anchor(a_t)|, but blocks a token whatever A is and
+    whichever way the token moved:
         M = 0  iff  D > eps,        l = -A * sg(r) * M * log pi + kl_tau * (log r)^2
-    DPPO's mask keeps a token that moved away from the anchor against A's push, since its gradient pulls it back; IPO
-    blocks it too. The KL term acts on every token, blocked or not, and on completions with A = 0: its gradient with
-    respect to log pi is 2 * kl_tau * log r. prime-rl writes -A * r * M, which has the same gradient."""
+    DPPO's mask keeps a token that moved away from the anchor against A's push, because the token's gradient
+    pulls it back. IPO blocks that token too. The KL term acts on every token, blocked or not, and on the
+    completions with A = 0. Its gradient with respect to log pi is 2 * kl_tau * log r. prime-rl writes
+    -A * r * M, which has the same gradient."""
     log_r = log_ratio(logp, logp_anchor)
     blocked = binary_tv(logp=logp, logp_anchor=logp_anchor) > eps
     policy_gradient = -advantages * log_r.detach().exp() * (~blocked) * logp
@@ -900,8 +1144,10 @@ def ipo_loss(logp, logp_anchor, advantages, eps=0.3, kl_tau=0.0):
 
 
 def moves_pi(A: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """The completions whose loss has a gradient: those with A != 0, since every loss but IPO's KL term is a multiple
-    of A or |A|; under ipo with kl_tau > 0, every completion."""
+    """The completions whose loss has a gradient.
+
+    These are the completions with A != 0, because every loss except IPO's KL term is a multiple of A or |A|.
+    Under ipo with kl_tau > 0, they are all the completions."""
     return (A != 0) | (cfg.objective == "ipo" and cfg.ipo_kl_tau > 0)
 
 
@@ -910,20 +1156,31 @@ def moves_pi(A: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 @torch.no_grad()
 def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config, stats: "TokenStats") -> tuple:
-    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update. It is computed at the
-    tokens of the completions that move pi (moves_pi), as far as the objective reads it, and is zero elsewhere. The
-    loss's per-token weight becomes rollout_correction's weight on pi_old / mu (0 on the other completions). Returns
-    pi_old and that weight; the weight's statistics go to `stats`."""
+    """--recompute_old: the anchor becomes pi_old, the policy before the step's first update.
+
+    pi_old is computed at the tokens of the completions that move pi (moves_pi), as far as the objective
+    reads it, and is zero elsewhere. The per-token weight of the loss becomes rollout_correction's
+    weight on pi_old / mu, and 0 on the other completions. Returns pi_old and that weight. The weight's
+    statistics go to `stats`."""
     needs = objective_needs(cfg.objective)
-    read = (True, needs["with_topk"], needs["with_entropy"])  # LogProbs' fields: logp, topk_logp, entropy
-    pi_old = LogProbs(*(torch.zeros_like(x) if wanted else None for x, wanted in zip(rollout.mu, read)))
+    pi_old = LogProbs(
+        logp=torch.zeros_like(rollout.mu.logp),
+        topk_logp=torch.zeros_like(rollout.mu.topk_logp) if needs["with_topk"] else None,
+        entropy=torch.zeros_like(rollout.mu.entropy) if needs["with_entropy"] else None,
+    )
     A = advantages.to(model.device)
     for rows in rows_that_move_pi(torch.arange(len(A)), moves_pi(A, cfg), cfg.micro_batch_size)[0]:
         part = policy_logprobs(model, rollout.select(rows), cfg.temperature, cfg.precision, **needs)
+        # A micro-batch drops its all-padding columns, so it may be narrower than pi_old.
         for whole, x in zip(pi_old, part):
             if x is not None:
                 whole[rows, : x.shape[1]] = x
-    modes = dict(mode=cfg.rollout_correction, cap=cfg.correction_cap, low=cfg.correction_low, high=cfg.correction_high)
+    modes = dict(
+        mode=cfg.rollout_correction,
+        cap=cfg.correction_cap,
+        low=cfg.correction_low,
+        high=cfg.correction_high,
+    )
     real = (rollout.completion_mask * moves_pi(A, cfg)[:, None]).bool()
     weight, flagged = rollout_correction(pi_old.logp, rollout.mu.logp, real, **modes)
     stats.add("rollout_correction/weight", weight[real])
@@ -934,11 +1191,16 @@ def recompute_anchor(model, rollout: Rollout, advantages, cfg: Config, stats: "T
 
 @torch.no_grad()
 def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5, high=5.0):
-    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask): a pi_old-anchored loss
-    times this weight on w = pi_old / mu ('tis', cap inf) has the gradient of -A * sg(pi / mu) * M * log pi. As verl:
-        'tis' min(w, cap);   'token_mis' (IcePop) w, or 0 outside [low, high];   'none' 1;
-        'seq_mis' min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside [low, high].
-    Returns the weight and the real tokens it truncated or zeroed."""
+    """--recompute_old in the DPPO paper's form (Stable-RL's compute_policy_loss_with_mask).
+
+    A loss anchored to pi_old, times this weight on w = pi_old / mu ('tis' with an infinite cap), has the
+    gradient of -A * sg(pi / mu) * M * log pi. The modes are verl's:
+        'tis'        min(w, cap)
+        'token_mis'  w, or 0 outside [low, high] (IcePop)
+        'seq_mis'    min(w, cap), or 0 on every token of a completion whose geometric-mean w is outside
+                     [low, high]
+        'none'       1
+    Returns the weight, and the real tokens that it truncated or zeroed."""
     if mode not in ("tis", "token_mis", "seq_mis", "none"):
         raise ValueError(f"rollout_correction: mode must be tis, token_mis, seq_mis or none, got {mode!r}")
     real = mask.bool()
@@ -949,11 +1211,13 @@ def rollout_correction(logp_pi_old, logp_mu, mask, mode="tis", cap=2.0, low=0.5,
     if mode == "token_mis":
         kept = (w >= low) & (w <= high)
         return torch.where(kept, w, 0.0) * real, ~kept & real
-    weight, flagged = w.clamp(max=cap), w > cap
+    weight = w.clamp(max=cap)
+    flagged = w > cap
     if mode == "seq_mis":
         geometric_mean = (log_w.sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)).exp()
         kept = (geometric_mean >= low) & (geometric_mean <= high)
-        weight, flagged = torch.where(kept, weight, 0.0), flagged | ~kept
+        weight = torch.where(kept, weight, 0.0)
+        flagged = flagged | ~kept
     return weight * real, flagged & real
 
 
