@@ -445,6 +445,26 @@ class Rollout:
         return Rollout(**prompts, **tokens, mu=self.mu.select(rows, T), **texts)
 
 
+# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompt(tokenizer, question: str) -> str:
+    """The prompt for a question: the chat template's user turn, or plain text for a model without a template."""
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
+
+
+def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """The indices of the P problems that step `step` samples (DCPO's prompt keys). They depend on the seed and the
+    step alone, so a resumed run sees the same problems. Each pass over the data has its own order."""
+    epoch, position = divmod(step - 1, n_problems // batch_size)
+    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
+    return order[position * batch_size : (position + 1) * batch_size]
+
+
 def generate_rollout(model, tokenizer, prompts: list[str], cfg: Config) -> Rollout:
     """Samples one completion per prompt, and records mu."""
     recorder = SamplingRecorder(cfg.temperature, cfg.topk)
@@ -1417,24 +1437,6 @@ def fail(message: str):
 
 
 # -------- data: a problem is {"question": str, "answer": str}; the gold answer's last line is "#### N" (GSM8K's format)
-
-
-# A chat model gets the question, then the zero-shot "qwen-boxed" prompt of Qwen2.5-Math's evaluation, in one user turn.
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def format_prompt(tokenizer, question: str) -> str:
-    if tokenizer.chat_template:
-        messages = [{"role": "user", "content": f"{question}\n{BOXED_INSTRUCTION}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {question}\nAnswer:"  # models without a chat template (the demo's)
-
-
-def problem_batch(n_problems: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Step `step`'s problem indices (DCPO's prompt keys), a function of (seed, step): a resumed run sees the same."""
-    epoch, position = divmod(step - 1, n_problems // batch_size)
-    order = random.Random(f"{seed}:{epoch}").sample(range(n_problems), n_problems)
-    return order[position * batch_size : (position + 1) * batch_size]
 
 
 def load_data(cfg: Config, resume_from) -> tuple[list[dict], list[dict]]:
