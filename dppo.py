@@ -250,16 +250,17 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run
     A rollout is B = P x G completions, G of each of P prompts. The update makes E passes over the
     rollout. Each pass shuffles the rollout into U mini-batches, and each mini-batch is one AdamW step.
     The completions of a mini-batch go through the model one micro-batch at a time, and their gradients
-    add up. The update computes only the completions whose loss has a gradient (moves_pi): those with
-    A != 0, because every loss but IPO's KL term is a multiple of A or |A|."""
+    add up. A completion with A = 0 has no gradient (IPO's KL term aside), so the update skips it."""
     # The sampler gets pi's weights. When the sampler is pi itself, there is nothing to do.
     refresh_sampler(sampler, model)
 
     # Sample this step's rollout and record mu. With --staleness k, sampling runs k steps ahead, so that the
     # queue holds k + 1 rollouts.
-    while len(run.queue) <= cfg.staleness and step + len(run.queue) <= run.last_step:
+    while len(run.queue) < cfg.staleness + 1:
         # trained_at is the step that will train on this rollout, and whose prompts the rollout takes.
         trained_at = step + len(run.queue)
+        if trained_at > run.last_step:  # --staleness k: the last k steps sample none
+            break
         with timed("rollout"):
             indices = problem_batch(len(problems), cfg.prompts_per_step, cfg.seed, trained_at)
             asked = []  # each of this process's problems, G times in a row
@@ -276,7 +277,8 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run
     measured = UpdateMetrics(cfg)  # the update's diagnostics, for metrics.jsonl
 
     with timed("update"):
-        # The anchor is what the trust region measures from: mu as sampled, as DPPO prescribes.
+        # The anchor is what the trust region measures from: mu as sampled, as DPPO prescribes. The
+        # correction is a weight on each token's loss: 1, unless --recompute_old corrects pi_old to mu.
         anchor = rollout.mu
         correction = torch.ones_like(rollout.completion_mask)
         # Under --recompute_old (the paper's ablation), the anchor is pi_old, and a weight corrects it to mu.
@@ -296,31 +298,38 @@ def rl_step(step: int, model, sampler, tokenizer, optimizer, problems, run: "Run
             counted = counted * (A != 0)
         moving = moves_pi(A[:, 0], cfg)  # the completions whose loss has a gradient: only these are computed
 
+        needs = objective_needs(cfg.objective)  # what the objective reads besides log pi(a_t)
         model.train()  # --gradient_checkpointing acts only in train mode (dropout is off, see load_policy)
         update = 0  # the optimizer steps taken so far in this RL step
         for epoch in range(cfg.ppo_epochs):
-            for minibatch in torch.randperm(len(A)).chunk(cfg.updates_per_step):
-                # Each token's weight in the mini-batch's loss, from the counts over every process.
-                counts = all_reduced(token_counts(counted[minibatch]))
+            order = torch.randperm(len(A))  # each pass shuffles the rollout anew
+            for minibatch in order.chunk(cfg.updates_per_step):
+                # Each token's weight in the mini-batch's loss. The loss averages over the whole mini-batch,
+                # on every process, whatever its micro-batches: token_weights divides by those counts.
+                local_counts = token_counts(counted[minibatch])
+                counts = all_reduced(local_counts)
+                # weights covers the whole rollout, because the micro-batches below index it by row.
                 weights = torch.zeros_like(correction)  # (B, T)
                 shares = token_weights(counted[minibatch], cfg.loss_agg, counts, cfg.max_new_tokens)
                 weights[minibatch] = shares * correction[minibatch]
 
                 optimizer.zero_grad(set_to_none=True)
+                # Micro-batches of the rows that move pi. Every process runs as many micro-batches as the
+                # busiest one, because FSDP2's collectives need equal counts.
                 micro_batches, left_out = rows_that_move_pi(minibatch, moving, cfg.micro_batch_size)
                 for rows in micro_batches:
                     batch = rollout.select(rows)  # these rows, without their all-padding columns
-                    T = batch.completion_ids.shape[1]
-                    anchored = anchor.select(rows, T)
-                    needs = objective_needs(cfg.objective)  # what the objective reads besides log pi(a_t)
+                    width = batch.completion_ids.shape[1]
+                    anchored = anchor.select(rows, width)
                     pi = policy_logprobs(model, batch, cfg.temperature, cfg.precision, **needs)
                     token_loss, blocked = objective_loss(cfg, pi, anchored, A[rows], batch.completion_mask)
-                    loss = (token_loss * weights[rows, :T]).sum()
+                    loss = (token_loss * weights[rows, :width]).sum()
                     loss.backward()
                     measured.add_micro_batch(update, loss, batch, pi, anchored, A[rows], blocked)
 
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                # add_update stops the run on a non-finite gradient norm.
+                # On a non-finite gradient norm, add_update raises FloatingPointError before this optimizer
+                # step: train then saves the model and stops the run.
                 measured.add_update(update, grad_norm, rollout, left_out)
                 optimizer.step()
                 update += 1
@@ -542,6 +551,14 @@ def step_advantages(rewards: torch.Tensor, indices: list[int], reward_history: d
 
 
 # ============================================================================ batches and token weights
+
+
+def moves_pi(A: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The completions whose loss has a gradient.
+
+    These are the completions with A != 0, because every loss except IPO's KL term is a multiple of A or |A|.
+    Under ipo with kl_tau > 0, they are all the completions."""
+    return (A != 0) | (cfg.objective == "ipo" and cfg.ipo_kl_tau > 0)
 
 
 def rows_that_move_pi(rows: torch.Tensor, moving: torch.Tensor, micro_batch_size: int) -> tuple[list, torch.Tensor]:
@@ -1156,19 +1173,12 @@ def ipo_loss(logp, logp_anchor, advantages, eps=0.3, kl_tau=0.0):
     DPPO's mask keeps a token that moved away from the anchor against A's push, because the token's gradient
     pulls it back. IPO blocks that token too. The KL term acts on every token, blocked or not, and on the
     completions with A = 0. Its gradient with respect to log pi is 2 * kl_tau * log r. prime-rl writes
-    -A * r * M, which has the same gradient."""
+    -A * r * M, which has the same gradient. In dppo.py, --skip_zero_advantage and --overlong_filter give a
+    completion the weight 0 in the loss, and so remove its KL term too."""
     log_r = log_ratio(logp, logp_anchor)
     blocked = binary_tv(logp=logp, logp_anchor=logp_anchor) > eps
     policy_gradient = -advantages * log_r.detach().exp() * (~blocked) * logp
     return policy_gradient + kl_tau * log_r**2, blocked
-
-
-def moves_pi(A: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """The completions whose loss has a gradient.
-
-    These are the completions with A != 0, because every loss except IPO's KL term is a multiple of A or |A|.
-    Under ipo with kl_tau > 0, they are all the completions."""
-    return (A != 0) | (cfg.objective == "ipo" and cfg.ipo_kl_tau > 0)
 
 
 # -------- the paper's ablation: the anchor is pi_old
