@@ -714,3 +714,41 @@ def test_the_prefill_table_quotes_its_record():
             assert f"{s['median_s']:.{digits}f} s ({s['min_s']:.{digits}f}–{s['max_s']:.{digits}f})" in text
         assert f"−{-100 * case['median_change']:.0f}%" in text and case["same_completions"]
         assert f"largest \\|Δ log μ\\| {case['largest_abs_dlogmu']:.1e}".replace("e-0", "e-") in text
+
+
+# ---------------------------------------------------------------------------- the studies' drivers: a seed is a stratum
+
+
+def reuse_study_module():
+    sys.path.insert(0, str(HERE / "figures"))
+    spec = importlib.util.spec_from_file_location("reuse_study", HERE / "figures" / "reuse_study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_by_seed_drivers_set_aside_a_seed_of_another_kind_and_run_the_arms_in_order(tmp_path, monkeypatch):
+    """--stage by_seed and --stage ipo (their pre-registrations: a seed's arms on one CPU kind): a seed whose records
+    hold another kind is moved to set_aside/ whole, finished or not, and starts over here; a seed of this kind keeps
+    its records; the arms run seed by seed, in the registered order."""
+    reuse_study = reuse_study_module()
+    monkeypatch.chdir(tmp_path)
+    here = {"cpu": "AMD EPYC", "cpu_id": "cpu family 26 model 2 stepping 1", "cpu_capability": "AVX512"}
+    monkeypatch.setattr(reuse_study.study, "machine", lambda: here | {"gpu": "none"})
+    ran = []
+    monkeypatch.setattr(reuse_study, "broke", lambda directory, arm, seed, *rest: ran.append((arm, seed)))
+    directory = reuse_study.IPO_DEMO
+    old_kind = here | {"cpu_id": "cpu family 25 model 17 stepping 1"}
+    for arm, seed, kind in (("pg", 0, old_kind), ("binary_tv", 0, old_kind), ("pg", 1, here)):
+        (directory / f"{arm}-seed{seed}").mkdir(parents=True)
+        (directory / f"{arm}-seed{seed}" / "provenance.json").write_text(json.dumps(kind))
+    reuse_study.ipo(main=None)
+    shelf = directory / "set_aside" / "seed0-AMD_EPYC-cpu_family_25_model_17_stepping_1-AVX512"
+    assert sorted(path.name for path in shelf.iterdir()) == ["binary_tv-seed0", "pg-seed0"]
+    assert not (directory / "pg-seed0").exists() and (directory / "pg-seed1").exists()
+    assert ran == [(arm, seed) for seed in range(10) for arm in reuse_study.IPO_ARMS]
+    ran.clear()
+    monkeypatch.setattr(reuse_study, "PINNED", {"torch": torch.__version__.split("+")[0], "transformers": "x"})
+    with pytest.raises(SystemExit, match="the study pins"):
+        reuse_study.by_seed(main=None)
+    assert ran == []
