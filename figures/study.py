@@ -4,7 +4,7 @@
     python figures/study.py state RUN_DIR -- DPPO_FLAGS...   # finished, resume or new; exit 2 if the record differs
     python figures/study.py finish RUN_DIR [--stopped]       # marks the run finished; deletes its model's files
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
-                                   [--rule first_drop|sustained_drop] [--gap sign|sign_and_interval]
+                                   [--rule first_drop|sustained_drop] [--gap sign|sign_and_interval] [--toward_mu]
     python figures/study.py compare --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" --step 20
     python figures/study.py breaks --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" [--figure F]
 
@@ -268,12 +268,25 @@ def mean_std(values, fmt=".1f") -> str:
     return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt.lstrip('+')}}"  # a spread has no sign
 
 
+TOWARD_MU = ("trust_region/blocked_frac_pos_adv_falling", "trust_region/blocked_frac_neg_adv_rising")
+
+
+def toward_mu(steps, tokens, blocked) -> float | None:
+    """Of all blocked tokens, the share (%) whose gradient pulls π(a_t) back toward μ(a_t): A > 0 with π(a_t) below
+    μ(a_t), or A < 0 with π(a_t) above it. DPPO's mask keeps these tokens, and IPO blocks them."""
+    if not blocked or not any(TOWARD_MU[0] in r for r in steps):
+        return None
+    pulled_back = [sum(r.get(key, 0.0) for key in TOWARD_MU) for r in steps]  # as fractions of each step's tokens
+    return 100 * sum(share * n for share, n in zip(pulled_back, tokens)) / blocked
+
+
 def training(records) -> dict:
     """A run's dynamics: truncation and blocked tokens over its steps, where the blocks sit, the policy's drift."""
     steps = [r for r in records if "reward/mean" in r]
     if not steps:  # a run that broke at its first step
         return dict.fromkeys(["reward end", "truncated first", "truncated end", "blocked", "at branching"], None) | {
             "A<0, falling": None,
+            "toward μ": None,
             "drift": None,
             "minutes": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"] / 60,
         }
@@ -293,6 +306,7 @@ def training(records) -> dict:
         "blocked": 100 * blocked / sum(tokens),
         "at branching": share_of_blocked("trust_region/blocked_at_branching_frac"),
         "A<0, falling": share_of_blocked("trust_region/blocked_frac_neg_adv_falling", of_blocked=False),
+        "toward μ": toward_mu(steps, tokens, blocked),
         "drift": statistics.mean(r["policy/abs_pi_minus_mu_mean"] for r in steps),
         "minutes": [r for r in records if "time/elapsed_s" in r][-1]["time/elapsed_s"] / 60,
     }
@@ -620,6 +634,7 @@ def report(
     delay=False,
     paired=False,
     kinds_by_seed=False,
+    toward=False,
 ) -> str:
     finished, absent, origin = load_records(directory, names, seeds, kinds_by_seed)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
@@ -666,13 +681,21 @@ def report(
             summary = f"{mean_std(gap_list, '+.1f')} | {t_interval(gap_list)} | {verdict}"
             lines.append(f"| `{a}` − `{b}` | {step} | " + " | ".join(cells) + f" | {summary} |")
     columns = ["reward end", "truncated first", "truncated end", "blocked", "at branching", "A<0, falling", "drift"]
+    if toward:
+        columns.insert(columns.index("drift"), "toward μ")
     columns.append("minutes")
     lines += [
         "",
         f"Over training, mean ± std over seeds: the sampled reward (%) over the last {END} steps (a second outcome); "
         f"completions truncated (%) over the first and the last {END} steps; "
         "tokens blocked (%, of all trained tokens); of the blocked, the share at branching points (μ(a_t) < 0.5) and "
-        "with A < 0 and π falling (%); |π − μ| of the sampled tokens, mean over steps; minutes per run (its "
+        "with A < 0 and π falling (%); "
+        + (
+            "of the blocked, the share its gradient pulls back toward μ (A > 0 with π < μ, or A < 0 with π > μ; %); "
+            if toward
+            else ""
+        )
+        + "|π − μ| of the sampled tokens, mean over steps; minutes per run (its "
         "evaluations included; * where a run shared its CPU or resumed from a checkpoint, so its minutes are not its "
         "whole run's own).",
         "",
@@ -830,14 +853,14 @@ def offpolicy(rows: list[tuple[str, Path]], names: list[str], seeds: list[str]) 
     return "\n".join(lines) + "\n"
 
 
-def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
+def draw(directory: Path, names: list[str], seeds: list[str], path: Path, toward=False, kinds_by_seed=False):
     """Each name's mean over its finished seeds, with the min–max band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    finished = load_records(directory, names, seeds)[0]
+    finished = load_records(directory, names, seeds, kinds_by_seed)[0]
     panels = [
         ("held-out accuracy (%)", "eval/accuracy"),
         ("completions truncated (%)", "completion/truncated"),
@@ -846,6 +869,12 @@ def draw(directory: Path, names: list[str], seeds: list[str], path: Path):
     ]
     if any("policy/staleness_steps" in r for _, records in finished.values() for r in records):
         panels.append(("realised staleness (steps)", "policy/staleness_steps"))
+    if toward:
+        panels.insert(3, ("of the blocked, pulled back toward μ (%)", "toward_mu"))
+        for _, records in finished.values():  # a step's share of its blocked tokens, where it blocked any
+            for r in records:
+                if r.get("trust_region/blocked_frac") and TOWARD_MU[0] in r:
+                    r["toward_mu"] = sum(r.get(key, 0.0) for key in TOWARD_MU) / r["trust_region/blocked_frac"]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
     for (title, key), ax in zip(panels, axes):
         scale = 1 if key.startswith("policy/") else 100
@@ -893,6 +922,7 @@ def main(argv=None):
     parser.add_argument("--delay", action="store_true", help="sustained_drop: does each pair's first break later?")
     parser.add_argument("--paired", action="store_true", help="sustained_drop: each pair's discordant seeds")
     parser.add_argument("--kinds_by_seed", action="store_true", help="one CPU kind per seed, not per directory")
+    parser.add_argument("--toward_mu", action="store_true", help="the share of blocked tokens pulled back toward μ")
     args = parser.parse_args(argv)
     names, seeds, pairs = args.names.split(), args.seeds.split(), [tuple(pair.split()) for pair in args.pair]
     if args.delay and (args.rule != "sustained_drop" or not pairs):
@@ -900,12 +930,28 @@ def main(argv=None):
     if args.paired and (args.rule != "sustained_drop" or not pairs):
         parser.error("--paired reads the pairs' breaks under --rule sustained_drop: give both, and a --pair")
     table = report(
-        args.directory, names, seeds, pairs, args.rule, args.gap, args.delay, args.paired, args.kinds_by_seed
+        args.directory,
+        names,
+        seeds,
+        pairs,
+        args.rule,
+        args.gap,
+        args.delay,
+        args.paired,
+        args.kinds_by_seed,
+        args.toward_mu,
     )
     (args.directory / "results.md").write_text(table)
     print(table, end="")
     try:
-        draw(args.directory, names, seeds, args.figure or args.directory / "curves.png")
+        draw(
+            args.directory,
+            names,
+            seeds,
+            args.figure or args.directory / "curves.png",
+            args.toward_mu,
+            args.kinds_by_seed,
+        )
     except ImportError:
         print("no figure: `pip install matplotlib` to draw it", file=sys.stderr)
 

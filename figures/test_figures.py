@@ -378,6 +378,43 @@ def test_a_report_stars_the_minutes_of_a_run_that_shared_its_cpu_or_resumed_and_
     assert minutes == {"pg": "1.0 *", "ppo_clip": "1.0 *", "binary_tv": "1.0"}  # one seed: no std
 
 
+def test_the_share_of_blocked_tokens_pulled_back_toward_mu_by_hand(tmp_path):
+    """--toward_mu: of the blocked tokens, the share with A > 0 and π falling or A < 0 and π rising, weighted by each
+    step's tokens. ipo seed 0: (0.05 · 10 + 0.10 · 30) / (0.1 · 10 + 0.2 · 30) = 3.5 / 7 = 50%; seed 1, whose second
+    step blocks nothing: 0.02 · 10 / (0.1 · 10) = 20%. binary_tv's mask keeps those tokens: 0. pg logs no split."""
+    split = {  # (A > 0 and π falling, A < 0 and π rising) per step, each a fraction of the step's tokens
+        ("ipo", 0): [(0.02, 0.03), (0.05, 0.05)],
+        ("ipo", 1): [(0.01, 0.01), (0.0, 0.0)],
+        ("binary_tv", 0): [(0.0, 0.0), (0.0, 0.0)],
+        ("binary_tv", 1): [(0.0, 0.0), (0.0, 0.0)],
+    }
+    blocked = {("ipo", 0): [0.1, 0.2], ("ipo", 1): [0.1, 0.0], ("binary_tv", 0): [0.1, 0.1]}
+    lengths = {("ipo", 0): [10, 30]}
+    for name, seed in itertools.product(("pg", "ipo", "binary_tv"), (0, 1)):
+        run = tmp_path / f"{name}-seed{seed}"
+        default = [0.1, 0.1] if name != "pg" else [0.0, 0.0]
+        write_metrics(run, [0.3, 0.4], blocked.get((name, seed), default), [0, 0], lengths.get((name, seed), [10, 10]))
+        if (name, seed) in split:
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for record in records:
+                if "reward/mean" in record:
+                    falling, rising = split[name, seed][record["step"] - 1]
+                    record["trust_region/blocked_frac_pos_adv_falling"] = falling
+                    record["trust_region/blocked_frac_neg_adv_rising"] = rising
+            (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    names, seeds = ["pg", "ipo", "binary_tv"], ["0", "1"]
+    assert "toward μ" not in study_module().report(tmp_path, names, seeds, [], "sustained_drop")
+    report = study_module().report(tmp_path, names, seeds, [], "sustained_drop", toward=True)
+    header = next(line for line in report.splitlines() if "| toward μ |" in line).strip("| ").split(" | ")
+    column = header.index("toward μ")
+    cells = {
+        line.split("`")[1]: line.strip("| ").split(" | ")[column]
+        for line in report.split("| toward μ |")[1].split("\n\n")[0].splitlines()
+        if line.startswith("| `")
+    }
+    assert cells == {"pg": "–", "ipo": "35.0 ± 21.2", "binary_tv": "0.0 ± 0.0"}
+
+
 def test_the_offpolicy_table_has_a_row_per_name_and_setting_with_numbers_by_hand(tmp_path):
     """study.py offpolicy: final and lowest accuracy, the largest |pi - mu| (0.1 x the last step here) and the tokens
     blocked, weighted by each step's tokens: (0.1 x 10 + 0.3 x 30) / 40 = 25% for the first setting."""
