@@ -753,6 +753,30 @@ def test_the_prefill_table_quotes_its_record():
         assert f"largest \\|Δ log μ\\| {case['largest_abs_dlogmu']:.1e}".replace("e-0", "e-") in text
 
 
+def test_the_ipo_study_readme_quotes_its_report():
+    """figures/ipo_reuse_demo/README.md: each arm's row (breaks, accuracy at step 200, tokens blocked, the share pulled
+    back toward μ) and the answer's interval are the cells of results.md, which the redraw test holds to the records."""
+    directory = HERE / "figures" / "ipo_reuse_demo"
+    results, readme = directory / "results.md", (directory / "README.md").read_text()
+    text = results.read_text()
+    final, training = table_rows(results, "Per run"), table_rows(results, "Over training")
+    header = next(line for line in text.splitlines() if line.startswith("| name | reward end"))
+    columns = header.strip("| ").split(" | ")[1:]
+    for arm in ("pg", "binary_tv", "ipo_0.15", "ipo_0.3"):
+        broke = re.search(rf"^\| `{re.escape(arm)}` \| broke on \| (\d+ of \d+) seeds \|", text, re.M)[1]
+        cells = [
+            broke,
+            final[arm][1],
+            training[arm][columns.index("blocked")],
+            training[arm][columns.index("toward μ")],
+        ]
+        assert f"| `{arm}` | " + " | ".join(cells) + " |" in readme
+    row = next(line for line in text.splitlines() if line.startswith("| `ipo_0.15` − `binary_tv` | 200 |"))
+    mean, interval = (cell.replace("-", "−") for cell in row.strip("| ").split(" | ")[-3:-1])
+    answer = " ".join(readme.split())  # the prose wraps anywhere
+    assert f"is {mean.split(' ± ')[0]} points, with a 95% t interval of {interval}" in answer
+
+
 # ---------------------------------------------------------------------------- the studies' drivers: a seed is a stratum
 
 
