@@ -1067,7 +1067,7 @@ def d_loss_d_logp(loss, logp):  # d (sum of loss) / d log pi, per token
 
 
 def near(x, rows) -> bool:  # a tensor against nested lists of hand-computed numbers
-    return torch.allclose(x.detach().double(), torch.tensor(rows, dtype=torch.float64))
+    return torch.allclose(x.detach().double(), torch.as_tensor(rows, dtype=torch.float64))
 
 
 def objective_inputs(q, p, other_mu=0.05, other_pi=0.05, entropy_pi=1.0, entropy_anchor=1.0):
