@@ -1066,7 +1066,7 @@ def d_loss_d_logp(loss, logp):  # d (sum of loss) / d log pi, per token
     return torch.autograd.grad(loss.sum(), logp, retain_graph=True)[0]
 
 
-def near(x, rows) -> bool:  # a tensor against nested lists of hand-computed numbers
+def near(x, rows) -> bool:  # a tensor against hand-computed numbers: nested lists, or a tensor built from them
     return torch.allclose(x.detach().double(), torch.as_tensor(rows, dtype=torch.float64))
 
 
