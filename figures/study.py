@@ -5,6 +5,7 @@
     python figures/study.py finish RUN_DIR [--stopped]       # marks the run finished; deletes its model's files
     python figures/study.py report DIR --names "binary_tv ppo_clip" --seeds "0 1 2" [--pair "binary_tv ppo_clip"]
                                    [--rule first_drop|sustained_drop] [--gap sign|sign_and_interval] [--toward_mu]
+                                   [--kinds_by_seed [--pool DIR2 ...]] [--results FILE] [--figure FILE]
     python figures/study.py compare --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" --step 20
     python figures/study.py breaks --column "LABEL=DIR" --column ... --names "..." --seeds "0 1 2" [--figure F]
 
@@ -214,14 +215,26 @@ END = 5  # "at the end" = the mean over a run's last END steps
 CPU_KIND = ("cpu", "cpu_id", "cpu_capability")  # what a run's arithmetic depends on, as provenance.json records it
 
 
-def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_seed: bool = False):
+def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_seed: bool = False, pool=()):
     """{(name, seed): records} of the finished runs; the runs missing or unfinished; the one CPU model and commit.
     With kinds_by_seed, the CPU kind may differ between seeds but not within one (a seed is a stratum): the origin's
-    CPU then reads "one kind per seed", and origin["kinds"] maps each seed to its kind."""
+    CPU then reads "one kind per seed", and origin["kinds"] maps each seed to its kind.
+    With pool, more directories join the table, each seed's records from one directory only. Each directory holds one
+    commit, so the commit too may differ between seeds: origin["commits"] maps each seed to its commit and
+    origin["directories"] each seed to its directory."""
+    if pool and not kinds_by_seed:
+        sys.exit("study.py: records pooled from several directories need kinds_by_seed: a seed is a stratum")
+    directories = [directory, *pool]
+    where = {}
+    for seed in seeds:
+        holders = [d for d in directories if any((d / f"{name}-seed{seed}").exists() for name in names)]
+        if len(holders) > 1:
+            sys.exit(f"study.py: seed {seed} has records in {', '.join(map(str, holders))}: a seed comes from one")
+        where[seed] = holders[0] if holders else directory
     finished, absent = {}, []
     for name in names:
         for seed in seeds:
-            run_dir = directory / f"{name}-seed{seed}"
+            run_dir = where[seed] / f"{name}-seed{seed}"
             if not (run_dir / "provenance.json").exists():
                 absent.append(f"{name} seed {seed} (missing)")
             elif not is_finished(run_dir):
@@ -230,9 +243,18 @@ def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_s
                 provenance = json.loads((run_dir / "provenance.json").read_text())
                 records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
                 finished[name, seed] = (provenance, records)
-    keys = ("gpu", "commit") if kinds_by_seed else ("cpu", "cpu_id", "cpu_capability", "gpu", "commit")
+    for d in directories if pool else []:  # a directory is one study: one commit
+        commits = {run[0]["commit"] for (_, seed), run in finished.items() if where[seed] == d}
+        if len(commits) > 1:
+            sys.exit(f"study.py: {d} holds records of {len(commits)} commits: a directory holds one")
+    settings = {tuple(shared_flags(run[0]["flags"])) for run in finished.values()}
+    if pool and len(settings) > 1:  # pooled seeds ran one setting: the flags agree but for name and seed
+        sys.exit(f"study.py: the pooled records ran {len(settings)} settings: their flags differ")
+    keys = ("cpu", "cpu_id", "cpu_capability", "gpu", "commit")
+    if kinds_by_seed:
+        keys = ("gpu",) if pool else ("gpu", "commit")
     origins = {key: {run[0].get(key, "not recorded") for run in finished.values()} for key in keys}
-    kinds = {}
+    kinds, commits = {}, {}
     if kinds_by_seed:
         for seed in seeds:
             here = {
@@ -243,6 +265,7 @@ def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_s
             if len(here) > 1:
                 sys.exit(f"study.py: seed {seed}'s records come from {len(here)} CPU kinds: a seed holds one")
             kinds |= {seed: next(iter(here))} if here else {}
+            commits |= {seed: run[0]["commit"] for (_, s), run in finished.items() if s == seed}
     for key, values in origins.items():
         if len(values) > 1:
             sys.exit(
@@ -253,6 +276,10 @@ def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_s
     if kinds_by_seed:
         origin |= {"cpu": "one CPU kind per seed (the table of kinds)", "cpu_id": "–", "cpu_capability": "–"}
         origin["kinds"] = kinds
+    if pool:
+        origin["commit"] = "a commit per directory"
+        origin["commits"] = commits
+        origin["directories"] = {seed: where[seed] for seed in kinds}
     return finished, absent, origin
 
 
@@ -635,14 +662,16 @@ def report(
     paired=False,
     kinds_by_seed=False,
     toward=False,
+    pool=(),
 ) -> str:
-    finished, absent, origin = load_records(directory, names, seeds, kinds_by_seed)
+    finished, absent, origin = load_records(directory, names, seeds, kinds_by_seed, pool)
     flags = shared_flags(next(iter(finished.values()))[0]["flags"]) if finished else []
     eval_steps = sorted({step for _, records in finished.values() for step in accuracies(records)})
+    where = ", ".join(f"`{d}`" for d in (directory, *pool))
+    commit = origin["commit"] if pool else f"commit {origin['commit'][:7]}"  # pooled: "a commit per directory"
     lines = [
-        f"Records in `{directory}`: {len(finished)} finished of {len(names) * len(seeds)} (seeds {', '.join(seeds)}); "
-        f"commit {origin['commit'][:7]}, {machine_text(origin)}. Flags: `{' '.join(flags)}`, and each run's name, "
-        "seed.",
+        f"Records in {where}: {len(finished)} finished of {len(names) * len(seeds)} (seeds {', '.join(seeds)}); "
+        f"{commit}, {machine_text(origin)}. Flags: `{' '.join(flags)}`, and each run's name, seed.",
         "",
         "Greedy held-out accuracy (%) at each evaluation step: mean ± std over the finished seeds, then each seed's.",
         "",
@@ -710,7 +739,18 @@ def report(
             cells[-1] += " *"
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += breaking_table(finished, names, seeds, rule, pairs, delay, paired)
-    if kinds_by_seed:
+    if pool:
+        lines += [
+            "",
+            "Each seed's directory, commit and CPU kind, as its records' provenance names them:",
+            "",
+            "| seed | directory | commit | CPU kind |",
+            "|---|---|---|---|",
+        ]
+        for seed, kind in origin["kinds"].items():
+            commit = origin["commits"][seed][:7]
+            lines.append(f"| {seed} | `{origin['directories'][seed]}` | {commit} | {', '.join(kind)} |")
+    elif kinds_by_seed:
         lines += [
             "",
             "Each seed's CPU kind, as its records' provenance names it:",
@@ -853,14 +893,14 @@ def offpolicy(rows: list[tuple[str, Path]], names: list[str], seeds: list[str]) 
     return "\n".join(lines) + "\n"
 
 
-def draw(directory: Path, names: list[str], seeds: list[str], path: Path, toward=False, kinds_by_seed=False):
+def draw(directory: Path, names: list[str], seeds: list[str], path: Path, toward=False, kinds_by_seed=False, pool=()):
     """Each name's mean over its finished seeds, with the min–max band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    finished = load_records(directory, names, seeds, kinds_by_seed)[0]
+    finished = load_records(directory, names, seeds, kinds_by_seed, pool)[0]
     panels = [
         ("held-out accuracy (%)", "eval/accuracy"),
         ("completions truncated (%)", "completion/truncated"),
@@ -923,7 +963,13 @@ def main(argv=None):
     parser.add_argument("--paired", action="store_true", help="sustained_drop: each pair's discordant seeds")
     parser.add_argument("--kinds_by_seed", action="store_true", help="one CPU kind per seed, not per directory")
     parser.add_argument("--toward_mu", action="store_true", help="the share of blocked tokens pulled back toward μ")
+    parser.add_argument(
+        "--pool", action="append", type=Path, default=[], help="another directory whose seeds join; repeatable"
+    )
+    parser.add_argument("--results", type=Path, help="where the table goes (default DIRECTORY/results.md)")
     args = parser.parse_args(argv)
+    if args.pool and not args.kinds_by_seed:
+        parser.error("--pool reads each seed as a stratum: give --kinds_by_seed too")
     names, seeds, pairs = args.names.split(), args.seeds.split(), [tuple(pair.split()) for pair in args.pair]
     if args.delay and (args.rule != "sustained_drop" or not pairs):
         parser.error("--delay reads the pairs' breaks under --rule sustained_drop: give both, and a --pair")
@@ -940,8 +986,9 @@ def main(argv=None):
         args.paired,
         args.kinds_by_seed,
         args.toward_mu,
+        args.pool,
     )
-    (args.directory / "results.md").write_text(table)
+    (args.results or args.directory / "results.md").write_text(table)
     print(table, end="")
     try:
         draw(
@@ -951,6 +998,7 @@ def main(argv=None):
             args.figure or args.directory / "curves.png",
             args.toward_mu,
             args.kinds_by_seed,
+            args.pool,
         )
     except ImportError:
         print("no figure: `pip install matplotlib` to draw it", file=sys.stderr)

@@ -331,6 +331,45 @@ def test_kinds_by_seed_allows_a_kind_per_seed_and_refuses_two_within_one(tmp_pat
         study.load_records(tmp_path, ["pg", "topk_tv"], ["0", "1"], kinds_by_seed=True)
 
 
+def test_pool_reads_each_seed_from_one_directory_with_its_own_commit_and_kind(tmp_path, capsys):
+    """The by-seed study's secondary reading pools stage 2's seeds with its own: two directories, two commits, two CPU
+    kinds, a seed from each. pg breaks on both seeds (30 → 20 → 20), topk_tv on neither: 0 of 2 against 2 of 2 is
+    Fisher's one-sided 1 / C(4, 2) = 0.167. A seed in both directories, two settings, two commits in one directory,
+    and --pool without --kinds_by_seed are refused."""
+    study = study_module()
+    stage2, by_seed = tmp_path / "stage2", tmp_path / "by_seed"
+    for directory, seed, commit, kind in ((stage2, 0, "a" * 40, "family 25"), (by_seed, 5, "b" * 40, "family 26")):
+        for name, accuracies in (("pg", [30, 20, 20]), ("topk_tv", [30, 40, 40])):
+            write_metrics(directory / f"{name}-seed{seed}", accuracies, [0.0], [0.0], [10])
+            provenance = json.loads((directory / f"{name}-seed{seed}" / "provenance.json").read_text())
+            provenance |= {"commit": commit, "cpu_id": kind, "cpu_capability": "AVX512"}
+            (directory / f"{name}-seed{seed}" / "provenance.json").write_text(json.dumps(provenance))
+    names, seeds, pairs = ["pg", "topk_tv"], ["0", "5"], [("topk_tv", "pg")]
+    text = study.report(by_seed, names, seeds, pairs, "sustained_drop", kinds_by_seed=True, pool=[stage2])
+    assert f"Records in `{by_seed}`, `{stage2}`: 4 finished of 4 (seeds 0, 5); a commit per directory, CPU one" in text
+    assert f"| 0 | `{stage2}` | aaaaaaa | a CPU, family 25, AVX512 |" in text
+    assert f"| 5 | `{by_seed}` | bbbbbbb | a CPU, family 26, AVX512 |" in text
+    assert "- `topk_tv` 0 of 2, `pg` 2 of 2: p = 0.167" in text
+    with pytest.raises(SystemExit, match="need kinds_by_seed"):
+        study.load_records(by_seed, names, seeds, pool=[stage2])
+    with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+        study.main([str(by_seed), "--names", "pg topk_tv", "--seeds", "0 5", "--pool", str(stage2)])
+    assert "give --kinds_by_seed too" in capsys.readouterr().err
+    shutil.copytree(by_seed / "pg-seed5", stage2 / "pg-seed5")
+    with pytest.raises(SystemExit, match="seed 5 has records in"):
+        study.load_records(by_seed, names, seeds, kinds_by_seed=True, pool=[stage2])
+    shutil.rmtree(stage2 / "pg-seed5")
+    provenance = json.loads((stage2 / "topk_tv-seed0" / "provenance.json").read_text())
+    (stage2 / "topk_tv-seed0" / "provenance.json").write_text(json.dumps(provenance | {"flags": ["--lr", "1e-5"]}))
+    with pytest.raises(SystemExit, match="ran 2 settings"):
+        study.load_records(by_seed, names, seeds, kinds_by_seed=True, pool=[stage2])
+    (stage2 / "topk_tv-seed0" / "provenance.json").write_text(json.dumps(provenance))
+    provenance = json.loads((stage2 / "pg-seed0" / "provenance.json").read_text())
+    (stage2 / "pg-seed0" / "provenance.json").write_text(json.dumps(provenance | {"commit": "c" * 40}))
+    with pytest.raises(SystemExit, match="holds records of 2 commits"):
+        study.load_records(by_seed, names, seeds, kinds_by_seed=True, pool=[stage2])
+
+
 def test_a_report_wires_each_pair_to_its_interval_break_counts_and_sign_test_by_hand(tmp_path):
     """report() on hand-made runs, 3 seeds: pg falls 10 points and stays (broken at step 2 on every seed); binary_tv
     ends 10, 20, 30 points above it. t(0.975, 2 df) = 4.303: step 2's +10, +15, +20 is 15 ± 5, 15 ∓ 4.303 · 5 / √3 =
