@@ -216,12 +216,13 @@ CPU_KIND = ("cpu", "cpu_id", "cpu_capability")  # what a run's arithmetic depend
 
 
 def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_seed: bool = False, pool=()):
-    """{(name, seed): records} of the finished runs; the runs missing or unfinished; the one CPU model and commit.
+    """{(name, seed): records} of the finished runs; the runs missing or unfinished; the origin, which names the one
+    CPU kind and commit of the records.
     With kinds_by_seed, the CPU kind may differ between seeds but not within one (a seed is a stratum): the origin's
     CPU then reads "one kind per seed", and origin["kinds"] maps each seed to its kind.
-    With pool, more directories join the table, each seed's records from one directory only. Each directory holds one
-    commit, so the commit too may differ between seeds: origin["commits"] maps each seed to its commit and
-    origin["directories"] each seed to its directory."""
+    With pool, more directories join the table, and each seed's records come from one directory only. Each directory
+    holds one commit, so the commit may differ between seeds too. origin["commits"] maps each seed to its commit, and
+    origin["directories"] maps each seed to its directory."""
     if pool and not kinds_by_seed:
         sys.exit("study.py: records pooled from several directories need kinds_by_seed: a seed is a stratum")
     directories = [directory, *pool]
@@ -229,7 +230,9 @@ def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_s
     for seed in seeds:
         holders = [d for d in directories if any((d / f"{name}-seed{seed}").exists() for name in names)]
         if len(holders) > 1:
-            sys.exit(f"study.py: seed {seed} has records in {', '.join(map(str, holders))}: a seed comes from one")
+            sys.exit(
+                f"study.py: seed {seed} has records in {', '.join(map(str, holders))}: a seed comes from one directory"
+            )
         where[seed] = holders[0] if holders else directory
     finished, absent = {}, []
     for name in names:
@@ -247,8 +250,8 @@ def load_records(directory: Path, names: list[str], seeds: list[str], kinds_by_s
         commits = {run[0]["commit"] for (_, seed), run in finished.items() if where[seed] == d}
         if len(commits) > 1:
             sys.exit(f"study.py: {d} holds records of {len(commits)} commits: a directory holds one")
-    settings = {tuple(shared_flags(run[0]["flags"])) for run in finished.values()}
-    if pool and len(settings) > 1:  # pooled seeds ran one setting: the flags agree but for name and seed
+    settings = {tuple(shared_flags(run[0]["flags"])) for run in finished.values()} if pool else set()
+    if len(settings) > 1:  # pooled seeds ran one setting: the flags agree but for name and seed
         sys.exit(f"study.py: the pooled records ran {len(settings)} settings: their flags differ")
     keys = ("cpu", "cpu_id", "cpu_capability", "gpu", "commit")
     if kinds_by_seed:
@@ -602,7 +605,27 @@ T_975 = [
     2.365,
     2.306,
     2.262,
-]  # Student's t, 97.5%, 1 to 9 degrees of freedom
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+]  # Student's t, 97.5%, 1 to 29 degrees of freedom (2 to 30 seeds)
 
 
 GAPS = {  # each study's pre-registered gap criterion, by name (report --gap)
@@ -612,9 +635,11 @@ GAPS = {  # each study's pre-registered gap criterion, by name (report --gap)
 
 
 def t_bounds(gaps: list[float]) -> tuple[float, float] | None:
-    """The 95% t interval of the mean paired difference, seeds - 1 degrees of freedom."""
-    if not 2 <= len(gaps) <= len(T_975) + 1:
+    """The 95% t interval of the mean paired difference, seeds - 1 degrees of freedom; None under 2 seeds."""
+    if len(gaps) < 2:
         return None
+    if len(gaps) > len(T_975) + 1:
+        sys.exit(f"study.py: no t value for {len(gaps)} seeds: T_975 stops at {len(T_975) + 1}")
     half = T_975[len(gaps) - 2] * statistics.stdev(gaps) / math.sqrt(len(gaps))
     return statistics.mean(gaps) - half, statistics.mean(gaps) + half
 
@@ -638,7 +663,7 @@ def paired_verdict(gaps: list[float], n_seeds: int, criterion: str = "sign") -> 
         return f"one sign so far ({len(gaps)} of {n_seeds} seeds)"
     if criterion == "sign":
         return "a gap: one sign in every seed"
-    low, high = t_bounds(gaps) or (0.0, 0.0)
+    low, high = t_bounds(gaps)  # every seed has both runs, and there are 2 or more
     if low <= 0 <= high:
         return "one sign in every seed, interval includes 0: not a gap"
     return "a gap: one sign in every seed, interval excludes 0"
@@ -688,7 +713,12 @@ def report(
         lines.append(f"| `{name}` | {', '.join(runs) or '–'} | " + " | ".join(cells) + " |")
     if pairs:
         chance = 100 * 2 * 0.5 ** len(seeds)
-        chance = f"{chance:.0f}" if chance >= 1 else f"{chance:.1f}"  # 10 seeds: 0.2%, not 0%
+        if chance >= 1:
+            chance = f"{chance:.0f}"
+        elif chance >= 0.1:
+            chance = f"{chance:.1f}"  # 10 seeds: 0.2%
+        else:
+            chance = f"{chance:.2g}"  # 15 seeds: 0.0061%, not 0.0%
         chance = f"which {len(seeds)} seeds meet by chance {chance}% of the time under a coin-flip sign"
         criterion = f"{GAPS[gap]}, {chance}" if gap == "sign" else f"{GAPS[gap]} (one sign alone, {chance})"
         lines += [
@@ -964,7 +994,12 @@ def main(argv=None):
     parser.add_argument("--kinds_by_seed", action="store_true", help="one CPU kind per seed, not per directory")
     parser.add_argument("--toward_mu", action="store_true", help="the share of blocked tokens pulled back toward μ")
     parser.add_argument(
-        "--pool", action="append", type=Path, default=[], help="another directory whose seeds join; repeatable"
+        "--pool",
+        action="append",
+        type=Path,
+        default=[],
+        help="another directory of records whose seeds join the table, each seed from one directory; repeatable; "
+        "needs --kinds_by_seed",
     )
     parser.add_argument("--results", type=Path, help="where the table goes (default DIRECTORY/results.md)")
     args = parser.parse_args(argv)

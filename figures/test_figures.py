@@ -334,8 +334,9 @@ def test_kinds_by_seed_allows_a_kind_per_seed_and_refuses_two_within_one(tmp_pat
 def test_pool_reads_each_seed_from_one_directory_with_its_own_commit_and_kind(tmp_path, capsys):
     """The by-seed study's secondary reading pools stage 2's seeds with its own: two directories, two commits, two CPU
     kinds, a seed from each. pg breaks on both seeds (30 → 20 → 20), topk_tv on neither: 0 of 2 against 2 of 2 is
-    Fisher's one-sided 1 / C(4, 2) = 0.167. A seed in both directories, two settings, two commits in one directory,
-    and --pool without --kinds_by_seed are refused."""
+    Fisher's one-sided 1 / C(4, 2) = 0.167. --results puts the table elsewhere. Refused: --pool without
+    --kinds_by_seed, a seed in both directories, two settings, two CPU kinds within a seed, two commits in one
+    directory."""
     study = study_module()
     stage2, by_seed = tmp_path / "stage2", tmp_path / "by_seed"
     for directory, seed, commit, kind in ((stage2, 0, "a" * 40, "family 25"), (by_seed, 5, "b" * 40, "family 26")):
@@ -352,9 +353,12 @@ def test_pool_reads_each_seed_from_one_directory_with_its_own_commit_and_kind(tm
     assert "- `topk_tv` 0 of 2, `pg` 2 of 2: p = 0.167" in text
     with pytest.raises(SystemExit, match="need kinds_by_seed"):
         study.load_records(by_seed, names, seeds, pool=[stage2])
-    with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+    with pytest.raises(SystemExit) as refused:
         study.main([str(by_seed), "--names", "pg topk_tv", "--seeds", "0 5", "--pool", str(stage2)])
-    assert "give --kinds_by_seed too" in capsys.readouterr().err
+    assert refused.value.code == 2 and "give --kinds_by_seed too" in capsys.readouterr().err
+    pooled = ["--names", "pg topk_tv", "--seeds", "0 5", "--pool", str(stage2), "--kinds_by_seed"]
+    study.main([str(by_seed), *pooled, "--results", str(tmp_path / "pooled.md"), "--figure", str(tmp_path / "p.png")])
+    assert "| 0 | `" in (tmp_path / "pooled.md").read_text() and not (by_seed / "results.md").exists()
     shutil.copytree(by_seed / "pg-seed5", stage2 / "pg-seed5")
     with pytest.raises(SystemExit, match="seed 5 has records in"):
         study.load_records(by_seed, names, seeds, kinds_by_seed=True, pool=[stage2])
@@ -365,9 +369,35 @@ def test_pool_reads_each_seed_from_one_directory_with_its_own_commit_and_kind(tm
         study.load_records(by_seed, names, seeds, kinds_by_seed=True, pool=[stage2])
     (stage2 / "topk_tv-seed0" / "provenance.json").write_text(json.dumps(provenance))
     provenance = json.loads((stage2 / "pg-seed0" / "provenance.json").read_text())
-    (stage2 / "pg-seed0" / "provenance.json").write_text(json.dumps(provenance | {"commit": "c" * 40}))
-    with pytest.raises(SystemExit, match="holds records of 2 commits"):
+    (stage2 / "pg-seed0" / "provenance.json").write_text(json.dumps(provenance | {"cpu_id": "family 26"}))
+    with pytest.raises(SystemExit, match="seed 0's records come from 2 CPU kinds"):
         study.load_records(by_seed, names, seeds, kinds_by_seed=True, pool=[stage2])
+    shutil.copytree(stage2 / "topk_tv-seed0", stage2 / "topk_tv-seed1")  # a second seed, of stage 2's commit
+    (stage2 / "pg-seed0" / "provenance.json").write_text(json.dumps(provenance | {"commit": "c" * 40}))
+    with pytest.raises(SystemExit, match="holds records of 2 commits"):  # one commit a seed, two in the directory
+        study.load_records(by_seed, names, ["0", "1", "5"], kinds_by_seed=True, pool=[stage2])
+
+
+def test_the_t_table_is_students_t_at_97_5_percent_for_each_degree_of_freedom():
+    """Each entry of T_975, integrated under Student's t density (Simpson's rule, from 0), gives 0.975 to within its
+    rounding to 3 decimals; a pooled reading of 15 seeds reads the entry of 14 degrees of freedom."""
+    study = study_module()
+    for df, t in enumerate(study.T_975, start=1):
+        log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+        density = [math.exp(log_c - (df + 1) / 2 * math.log1p((t * i / 20000) ** 2 / df)) for i in range(20001)]
+        half = t / 20000 / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+        assert 0.5 + half == pytest.approx(0.975, abs=density[-1] * 0.0005 + 1e-6), df
+
+
+def test_a_gap_on_fifteen_seeds_reads_its_t_interval():
+    """15 seeds, each +5 or +6 (eight +5s): mean 5.467, std 0.516, so the interval is 5.467 ± 2.145 · 0.516 / √15 =
+    [+5.2, +5.8], which excludes 0: a gap. With no t value the verdict would have read "not a gap"."""
+    study = study_module()
+    gaps = [5.0] * 8 + [6.0] * 7
+    assert study.t_interval(gaps) == "[+5.2, +5.8]"
+    assert study.paired_verdict(gaps, 15, "sign_and_interval") == "a gap: one sign in every seed, interval excludes 0"
+    with pytest.raises(SystemExit, match="no t value for 31 seeds"):
+        study.t_bounds([5.0] * 16 + [6.0] * 15)
 
 
 def test_a_report_wires_each_pair_to_its_interval_break_counts_and_sign_test_by_hand(tmp_path):
