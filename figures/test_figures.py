@@ -596,16 +596,23 @@ def test_a_study_resumes_a_killed_run_to_the_numbers_of_one_never_killed_and_ref
 @slow
 def test_the_readme_study_table_is_redrawn_from_the_committed_records(tmp_path):
     """Every report command in a study's README (the stale-data study's with --gap sign_and_interval, the criterion it
-    registered) redraws its results.md from its records as committed (but where each run broke, added after the first
-    three were drawn); each line of the seeded study's tables (but that one) and of each `breaks` table is in it."""
+    registered) redraws its results.md, or the file its --results names, from its records as committed (but where
+    each run broke, added after the first three were drawn); each line of the seeded study's tables (but that one) and
+    of each `breaks` table is in it. A study still running, its README's title says so, has no results to redraw."""
     readmes = sorted((HERE / "figures").glob("*/README.md"), key=lambda p: (p.parent.name == "smollm2_seeds", p))
     for readme in [path.read_text(encoding="utf-8") for path in readmes]:
-        for command in re.finditer(r"^python figures/study\.py report (figures/\S+) (.*)$", readme, re.M):
-            shutil.copytree(HERE / command[1], tmp_path / command[1])
-            report = [sys.executable, str(HERE / "figures/study.py"), "report", command[1], *shlex.split(command[2])]
+        for command in re.finditer(r"^python figures/study\.py report (figures/\S+) ((?:.*\\\n)*.*)$", readme, re.M):
+            args = shlex.split(command[2].replace("\\\n", " "))  # a command may go on over lines ending in \
+            results = args[args.index("--results") + 1] if "--results" in args else f"{command[1]}/results.md"
+            if not (HERE / results).exists():  # a study still running: its README says so, and has no results yet
+                assert readme.splitlines()[0].endswith(": running"), f"{results} is not committed"
+                continue
+            for directory in [command[1], *(args[i + 1] for i, arg in enumerate(args) if arg == "--pool")]:
+                shutil.copytree(HERE / directory, tmp_path / directory, dirs_exist_ok=True)
+            report = [sys.executable, str(HERE / "figures/study.py"), "report", command[1], *args]
             result = subprocess.run([*report, "--figure", "drawn.png"], capture_output=True, text=True, cwd=tmp_path)
             assert result.returncode == 0, result.stderr
-            drawn, committed = ((root / command[1] / "results.md").read_text() for root in (tmp_path, HERE))
+            drawn, committed = ((root / results).read_text() for root in (tmp_path, HERE))
             if "\nWhere each run broke" not in committed:
                 drawn = re.sub(r"\nWhere each run broke.*?\n(?=\nPer run)", "", drawn, flags=re.S)
             assert drawn == committed, command[1]
