@@ -325,6 +325,7 @@ def test_kinds_by_seed_allows_a_kind_per_seed_and_refuses_two_within_one(tmp_pat
         study.load_records(tmp_path, ["pg", "topk_tv"], ["0", "1"])
     text = study.report(tmp_path, ["pg", "topk_tv"], ["0", "1"], [], "sustained_drop", kinds_by_seed=True)
     assert "| 0 | a CPU, family 25, AVX512 |" in text and "| 1 | a CPU, family 26, AVX512 |" in text
+    assert f"Records in `{tmp_path}`: 4 finished of 4 (seeds 0, 1); commit 0000000, CPU one CPU kind per seed" in text
     provenance = json.loads((tmp_path / "pg-seed1" / "provenance.json").read_text())
     (tmp_path / "pg-seed1" / "provenance.json").write_text(json.dumps(provenance | {"cpu_id": "family 25"}))
     with pytest.raises(SystemExit, match="seed 1's records come from 2 CPU kinds"):
